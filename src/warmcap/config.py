@@ -1,0 +1,241 @@
+"""Engine configuration: one frozen record per concern, derived values as properties.
+
+Derived values (``num_lookahead_tokens``, ``uniform_decode_query_len``) are computed here and only
+here; every other module reads them from :class:`EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from warmcap.errors import ConfigError
+
+SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash")
+KV_ROLES: tuple[str, ...] = ("none", "producer", "consumer")
+MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "all", "align")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+MAX_SPECULATIVE_TOKENS = 16
+
+KVRole = Literal["none", "producer", "consumer"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which weights to run and how: a preset name or a local HF directory."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model is empty: pass a preset name (e.g. smollm2-135m) or a path")
+        _require(
+            self.dtype in DTYPES,
+            f"dtype {self.dtype!r} is not supported: use one of {', '.join(DTYPES)}",
+        )
+        _require(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            f"device {self.device!r} is not supported: use auto, cpu or cuda[:N]",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache: block size, pool size (explicit or a memory fraction), prefix caching."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(
+            isinstance(bs, int) and bs >= 1 and bs & (bs - 1) == 0,
+            f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...); got {bs!r}",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks >= 2,
+            f"num_blocks must be at least 2 (block 0 is the reserved null block); got {self.num_blocks}",
+        )
+        _require(
+            0.0 < self.memory_fraction <= 1.0,
+            f"memory_fraction must be in (0, 1]; got {self.memory_fraction}",
+        )
+        _require(
+            self.mamba_cache_mode in MAMBA_CACHE_MODES,
+            f"mamba_cache_mode {self.mamba_cache_mode!r} is unknown: use one of "
+            f"{', '.join(MAMBA_CACHE_MODES)}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences and tokens per step, context length, chunking."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1; got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: method, k draft tokens, optional draft model and method options."""
+
+    method: str
+    num_speculative_tokens: int = 1
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPEC_METHODS,
+            f"unknown speculative method {self.method!r}: use one of {', '.join(SPEC_METHODS)}",
+        )
+        k = self.num_speculative_tokens
+        _require(
+            isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+            f"num_speculative_tokens for {self.method} must be an integer in "
+            f"1..{MAX_SPECULATIVE_TOKENS}; got {k!r}",
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max; got "
+            f"{self.prompt_lookup_min}..{self.prompt_lookup_max}",
+        )
+        if self.method == "ngram":
+            _require(self.model is None, "ngram drafts from the prompt itself: drop the @DRAFT path")
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a drafter writes past the scheduled tokens (DESIGN.md reservation table)."""
+        if self.method == "ngram":
+            return 0
+        if self.method == "dflash":
+            return self.num_speculative_tokens + 1
+        return self.num_speculative_tokens
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
+        """Parse ``METHOD[:K][@DRAFT_PATH]``, a vLLM-style JSON object, or ``none``."""
+        if text is None:
+            return None
+        if isinstance(text, dict):
+            return cls._from_mapping(text)
+        text = text.strip()
+        if text in ("", "none", "off"):
+            return None
+        if text.startswith("{"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative config is not valid JSON ({exc.msg}): {text!r}") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"speculative JSON must be an object; got {text!r}")
+            return cls._from_mapping(data)
+        head, _, draft = text.partition("@")
+        method, _, k_text = head.partition(":")
+        k = 1
+        if k_text:
+            try:
+                k = int(k_text)
+            except ValueError:
+                raise ConfigError(
+                    f"speculative spec {text!r}: K must be an integer, as in eagle3:3 or dflash:7"
+                ) from None
+        return cls(method=method.strip(), num_speculative_tokens=k, model=draft or None)
+
+    @classmethod
+    def _from_mapping(cls, data: dict) -> SpeculativeConfig:
+        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(data) - known)
+        _require(not unknown, f"unknown speculative config keys {unknown}: known keys are {sorted(known)}")
+        _require("method" in data, 'speculative JSON needs "method", e.g. {"method": "eagle3", ...}')
+        return cls(
+            method=data["method"],
+            num_speculative_tokens=data.get("num_speculative_tokens", 1),
+            model=data.get("model"),
+            prompt_lookup_min=data.get("prompt_lookup_min", 1),
+            prompt_lookup_max=data.get("prompt_lookup_max", 4),
+        )
+
+    def short(self) -> str:
+        """The short form ``METHOD:K[@DRAFT]``."""
+        return f"{self.method}:{self.num_speculative_tokens}" + (f"@{self.model}" if self.model else "")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine, the scheduler, the runner and the warmup planner read."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    kv_role: str = "none"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kv_role in KV_ROLES,
+            f"kv_role {self.kv_role!r} is unknown: use one of {', '.join(KV_ROLES)}",
+        )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k: draft tokens per step (0 without speculation or for a prefill producer)."""
+        if self.speculative is None or self.kv_role == "producer":
+            return 0
+        return self.speculative.num_speculative_tokens
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """L: slots reserved past the scheduled tokens for the drafter's KV writes."""
+        if self.speculative is None or self.kv_role == "producer":
+            return 0
+        return self.speculative.lookahead
+
+    @property
+    def uniform_decode_query_len(self) -> int:
+        """1 + k for every method; not derived from the lookahead."""
+        return 1 + self.num_speculative_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit; the engine fills it from the model when the user gave none."""
+        if self.scheduler.max_model_len is None:
+            raise ConfigError("max_model_len is unresolved: set --max-model-len or load the model first")
+        return self.scheduler.max_model_len
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """A copy whose scheduler has ``max_model_len`` filled in."""
+        return replace(self, scheduler=replace(self.scheduler, max_model_len=max_model_len))
+
+    def validate_against(self, *, model_max_len: int) -> None:
+        """Cross-checks that need the model: context length fits what the model supports."""
+        mml = self.scheduler.max_model_len
+        _require(
+            mml is None or mml <= model_max_len,
+            f"max_model_len {mml} exceeds the model's limit {model_max_len}: lower --max-model-len",
+        )

@@ -1,0 +1,96 @@
+"""The one reservation rule (invariant I1).
+
+Every block count in warmcap comes from this module: the KV cache manager allocates with it, the
+warmup planner plans with it, the audit checks against it. Nothing else does block arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from warmcap.core.kv_spec import CrossAttentionSpec, KVCacheGroup, KVSpec, MambaSpec, SlidingWindowSpec
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ``a`` and positive ``b``."""
+    return -(-a // b)
+
+
+def reserved_blocks(
+    spec: KVSpec,
+    num_tokens: int,
+    *,
+    num_lookahead_tokens: int,
+    max_model_len: int,
+    max_encoder_len: int = 0,
+) -> int:
+    """Blocks a request must hold in a group of ``spec`` when ``num_tokens`` (computed + scheduled)
+    tokens are in flight and the drafter may write ``num_lookahead_tokens`` more.
+
+    - attention kinds (full, sliding window, MLA, indexer): ``cdiv(min(n + L, M), bs)``
+    - Mamba, cache mode none/all: the same plus ``num_speculative_blocks``
+    - Mamba, cache mode align: ``cdiv(n, bs) + num_speculative_blocks`` (no lookahead, no cap)
+    - cross-attention: ``cdiv(max_encoder_len, bs)``
+    """
+    if num_tokens < 0 or num_lookahead_tokens < 0:
+        raise ValueError(f"token counts must be >= 0; got {num_tokens=} {num_lookahead_tokens=}")
+    bs = spec.block_size
+    if isinstance(spec, CrossAttentionSpec):
+        return cdiv(max_encoder_len, bs)
+    if isinstance(spec, MambaSpec):
+        if spec.cache_mode == "align":
+            return cdiv(num_tokens, bs) + spec.num_speculative_blocks
+        return cdiv(min(num_tokens + num_lookahead_tokens, max_model_len), bs) + spec.num_speculative_blocks
+    return cdiv(min(num_tokens + num_lookahead_tokens, max_model_len), bs)
+
+
+def skipped_blocks(spec: KVSpec, num_computed_tokens: int) -> int:
+    """Leading blocks a sliding-window request no longer needs (replaced by the null block).
+
+    The next query sits at position ``num_computed_tokens`` and sees ``[p - window + 1, p]``, so whole
+    blocks before ``p - window + 1`` can go. Zero for every other kind.
+    """
+    if not isinstance(spec, SlidingWindowSpec):
+        return 0
+    first_needed = max(0, num_computed_tokens - spec.sliding_window + 1)
+    return first_needed // spec.block_size
+
+
+def block_of(spec: KVSpec, position: int) -> int:
+    """Block-table column that holds token ``position``."""
+    return position // spec.block_size
+
+
+def blocks_per_request(
+    groups: Iterable[KVCacheGroup],
+    num_tokens: int,
+    *,
+    num_lookahead_tokens: int,
+    max_model_len: int,
+    max_encoder_len: int = 0,
+) -> dict[str, int]:
+    """``reserved_blocks`` for every group, keyed by group name."""
+    return {
+        g.name: reserved_blocks(
+            g.spec,
+            num_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            max_model_len=max_model_len,
+            max_encoder_len=max_encoder_len,
+        )
+        for g in groups
+    }
+
+
+def max_blocks_per_request(
+    groups: Iterable[KVCacheGroup], *, num_lookahead_tokens: int, max_model_len: int, max_encoder_len: int = 0
+) -> int:
+    """Block-table width: the most blocks any request can hold in any group."""
+    counts = blocks_per_request(
+        groups,
+        max_model_len,
+        num_lookahead_tokens=num_lookahead_tokens,
+        max_model_len=max_model_len,
+        max_encoder_len=max_encoder_len,
+    )
+    return max(counts.values(), default=0)
