@@ -1,0 +1,434 @@
+"""Warmup planning through the scheduler's own allocator (invariants I1 and I2).
+
+``plan_warmup`` never counts blocks itself: it drives a scratch :class:`KVCacheManager` of the same
+size and groups as production, so every planned request holds exactly what the scheduler would
+give it. The steps are real :class:`SchedulerOutput` records that the runner executes unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import lcm
+
+from warmcap.config import EngineConfig
+from warmcap.core.kv_cache_manager import KVCacheManager
+from warmcap.core.kv_spec import CrossAttentionSpec, KVCacheGroup, MambaSpec
+from warmcap.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from warmcap.core.request import Request
+from warmcap.core.reservation import block_of, reserved_blocks
+from warmcap.errors import CapacityError
+from warmcap.sampling_params import SamplingParams
+
+STEP_KINDS = ("prefill", "decode", "mixed", "sparse_mla")
+_WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRequest:
+    """One request in one step, with every block it holds per group at that step."""
+
+    req_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    num_spec_tokens: int
+    num_lookahead_tokens: int
+    blocks: dict[str, list[int]]
+    # group -> "tokens" (scheduled tokens entered a new block) or "lookahead" (only the drafter's
+    # lookahead did: the boundary a plan built without lookahead would miss)
+    crossed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class WarmupStep:
+    """A named, explained step and the exact scheduler output the runner will execute."""
+
+    name: str
+    kind: str
+    reason: str
+    scheduler_output: SchedulerOutput
+    requests: list[PlannedRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedStep:
+    name: str
+    reason: str
+
+
+@dataclass(slots=True)
+class WarmupPlan:
+    """Ordered warmup steps plus everything needed to check or print them."""
+
+    model: str
+    method: str | None
+    num_speculative_tokens: int
+    block_size: int
+    max_model_len: int
+    num_lookahead_tokens: int
+    num_blocks: int
+    kv_groups: list[KVCacheGroup]
+    steps: list[WarmupStep] = field(default_factory=list)
+    skipped: list[SkippedStep] = field(default_factory=list)
+
+    @property
+    def req_ids(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for step in self.steps:
+            for r in step.requests:
+                seen.setdefault(r.req_id)
+        return list(seen)
+
+    def to_json(self) -> dict:
+        """The stable schema of DESIGN.md ("Warmup plan")."""
+        return {
+            "model": self.model,
+            "spec": {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens},
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "num_lookahead_tokens": self.num_lookahead_tokens,
+            "kv_groups": [_group_json(g) for g in self.kv_groups],
+            "steps": [
+                {
+                    "name": s.name,
+                    "kind": s.kind,
+                    "requests": [
+                        {
+                            "req_id": r.req_id,
+                            "num_computed_tokens": r.num_computed_tokens,
+                            "num_scheduled_tokens": r.num_scheduled_tokens,
+                            "num_spec_tokens": r.num_spec_tokens,
+                            "blocks": r.blocks,
+                        }
+                        for r in s.requests
+                    ],
+                }
+                for s in self.steps
+            ],
+        }
+
+
+def _group_json(group: KVCacheGroup) -> dict:
+    out: dict = {"name": group.name, "kind": group.spec.kind, "block_size": group.spec.block_size}
+    cache_mode = getattr(group.spec, "cache_mode", None)
+    if cache_mode is not None:
+        out["cache_mode"] = cache_mode
+    return out
+
+
+class _DoesNotFit(Exception):
+    """A candidate layout needs more blocks, tokens or sequences than the config allows."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    request: Request
+    num_new_tokens: int
+    num_spec: int
+    is_new: bool
+
+
+class _Simulator:
+    """Runs candidate steps against a scratch manager, recording what production would hold."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        groups: Sequence[KVCacheGroup],
+        num_blocks: int,
+        max_encoder_len: int,
+        lookahead: int,
+    ) -> None:
+        self.config = config
+        self.groups = list(groups)
+        self.max_model_len = config.max_model_len
+        self.max_encoder_len = max_encoder_len
+        self.lookahead = lookahead
+        # Prefix caching is off: warmup prompts are dummies, and a hit would make concurrent
+        # requests share blocks, which the plan must never do.
+        self.manager = KVCacheManager(
+            groups,
+            num_blocks,
+            max_model_len=self.max_model_len,
+            enable_caching=False,
+            max_encoder_len=max_encoder_len,
+        )
+        self.steps: list[WarmupStep] = []
+        self.running: dict[str, Request] = {}
+
+    def new_request(self, req_id: str, prompt_len: int) -> Request:
+        # Distinct small token ids per request keep ngram lookups and embeddings non-degenerate.
+        base = len(self.running) + 1
+        prompt = [(base * 7 + i) % 97 + 1 for i in range(prompt_len)]
+        return Request(req_id, prompt, _WARMUP_PARAMS, num_encoder_tokens=self.max_encoder_len)
+
+    def step(self, name: str, kind: str, reason: str, entries: list[_Entry]) -> WarmupStep:
+        sched = self.config.scheduler
+        total = sum(e.num_new_tokens for e in entries)
+        if total > sched.max_num_batched_tokens:
+            raise _DoesNotFit(
+                f"{name}: {total} tokens exceed max_num_batched_tokens={sched.max_num_batched_tokens}"
+            )
+        live = set(self.running) | {e.request.request_id for e in entries}
+        if len(live) > sched.max_num_seqs:
+            raise _DoesNotFit(f"{name}: {len(live)} requests exceed max_num_seqs={sched.max_num_seqs}")
+        out = SchedulerOutput()
+        planned: list[PlannedRequest] = []
+        for e in entries:
+            req = e.request
+            c = req.num_computed_tokens
+            if c + e.num_new_tokens > self.max_model_len:
+                raise _DoesNotFit(f"{name}: {req.request_id} would pass max_model_len={self.max_model_len}")
+            lookahead = 0 if (e.is_new and self.config.kv_role == "consumer") else self.lookahead
+            before = self.manager.num_held_blocks(req.request_id)
+            new_ids = self.manager.allocate_slots(req, e.num_new_tokens, num_lookahead_tokens=lookahead)
+            if new_ids is None:
+                raise _DoesNotFit(f"{name}: the pool has no room for {req.request_id}")
+            held = self.manager.get_block_ids(req.request_id)
+            planned.append(
+                PlannedRequest(
+                    req.request_id,
+                    c,
+                    e.num_new_tokens,
+                    e.num_spec,
+                    lookahead,
+                    held,
+                    self._crossings(before, held, c, c + e.num_new_tokens),
+                )
+            )
+            if e.is_new:
+                self.running[req.request_id] = req
+                out.scheduled_new_reqs.append(
+                    NewRequestData(req.request_id, list(req.prompt_token_ids), req.sampling_params, held, c)
+                )
+            else:
+                out.scheduled_cached_reqs.append(CachedRequestData(req.request_id, new_ids, c))
+            out.num_scheduled_tokens[req.request_id] = e.num_new_tokens
+            out.num_lookahead_tokens[req.request_id] = lookahead
+            if e.num_spec:
+                out.scheduled_spec_decode_tokens[req.request_id] = [1 + (i % 89) for i in range(e.num_spec)]
+        step = WarmupStep(name, kind, reason, out, planned)
+        self.steps.append(step)
+        return step
+
+    def _crossings(
+        self, before: dict[str, int], held: dict[str, list[int]], first: int, num_tokens: int
+    ) -> dict[str, str]:
+        """Per group: "tokens" when this step's tokens are the first to land in a block, else
+        "lookahead" when only the drafter's reserved lookahead made the request take a new block."""
+        crossed: dict[str, str] = {}
+        for g in self.groups:
+            if isinstance(g.spec, (CrossAttentionSpec, MambaSpec)) or first == 0:
+                continue
+            if block_of(g.spec, num_tokens - 1) > block_of(g.spec, first - 1):
+                crossed[g.name] = "tokens"
+            elif len(held[g.name]) > before[g.name]:
+                crossed[g.name] = "lookahead"
+        return crossed
+
+    def advance(self, entries: list[_Entry], accepted: dict[str, int] | None = None) -> None:
+        """Apply a step's outcome: computed tokens move on by the scheduled count minus rejected
+        drafts (``accepted`` per request; all accepted when absent), as the scheduler would."""
+        for e in entries:
+            req = e.request
+            num_acc = e.num_spec if accepted is None else accepted.get(req.request_id, e.num_spec)
+            advance = e.num_new_tokens - (e.num_spec - num_acc)
+            req.num_computed_tokens += advance
+            # The scheduler appends the accepted drafts plus one sampled token once the prompt is done.
+            num_out = req.num_computed_tokens + 1 - req.num_prompt_tokens
+            if num_out > req.num_output_tokens:
+                req.output_token_ids.extend([1] * (num_out - req.num_output_tokens))
+
+
+def _crossable_block_size(groups: Sequence[KVCacheGroup], max_model_len: int) -> int | None:
+    """Least common block boundary of every group that can ever cross one within max_model_len."""
+    sizes = [
+        g.spec.block_size
+        for g in groups
+        if not isinstance(g.spec, CrossAttentionSpec)
+        and reserved_blocks(g.spec, max_model_len, num_lookahead_tokens=0, max_model_len=max_model_len)
+        > reserved_blocks(g.spec, 1, num_lookahead_tokens=0, max_model_len=max_model_len)
+    ]
+    return lcm(*sizes) if sizes else None
+
+
+def plan_warmup(
+    config: EngineConfig,
+    kv_groups: Sequence[KVCacheGroup],
+    num_blocks: int,
+    *,
+    max_encoder_len: int = 0,
+    lookahead_override: int | None = None,
+) -> WarmupPlan:
+    """Plan warmup steps for ``config`` over ``kv_groups`` in a pool of ``num_blocks`` blocks.
+
+    ``lookahead_override`` is a test seam: it replaces the config's lookahead to build the broken
+    plans that the audit must catch. Raises :class:`CapacityError` when not even one request fits.
+    """
+    if not kv_groups:
+        raise CapacityError("no KV cache groups: the model declares no attention or state layers")
+    lookahead = config.num_lookahead_tokens if lookahead_override is None else lookahead_override
+    attempt = _Attempt(config, kv_groups, num_blocks, max_encoder_len, lookahead)
+    sched = config.scheduler
+    budget_batch = max(1, min(sched.max_num_seqs, sched.max_num_batched_tokens // attempt.prompt_len))
+    last_error = ""
+    for extras in ((True, True), (True, False), (False, False)):
+        n = budget_batch
+        while n >= 1:
+            try:
+                return attempt.build(n, boundary=extras[0], mixed=extras[1])
+            except _DoesNotFit as exc:
+                last_error = str(exc)
+                n //= 2
+    needed = attempt.blocks_for_one()
+    raise CapacityError(
+        f"warmup cannot fit even one request: {last_error}. One warmup request needs {needed} blocks "
+        f"across {len(kv_groups)} KV group(s) plus the null block; the pool has {num_blocks - 1} usable. "
+        f"Raise --num-blocks to at least {needed + 1} (or lower --max-model-len / the speculative k)."
+    )
+
+
+class _Attempt:
+    """One layout candidate: n batch requests plus the optional boundary and mixed requests."""
+
+    def __init__(self, config, groups, num_blocks, max_encoder_len, lookahead) -> None:
+        self.config = config
+        self.groups = list(groups)
+        self.num_blocks = num_blocks
+        self.max_encoder_len = max_encoder_len
+        self.lookahead = lookahead
+        self.k = config.num_speculative_tokens
+        self.q = config.uniform_decode_query_len
+        # NOTE: one token longer than a uniform decode, so no prefill can pass for a decode batch.
+        self.prompt_len = 1 + self.q
+
+    def blocks_for_one(self) -> int:
+        sim = _Simulator(self.config, self.groups, self.num_blocks, self.max_encoder_len, self.lookahead)
+        return sim.manager.blocks_needed(
+            self.prompt_len + self.q,
+            num_lookahead_tokens=self.lookahead,
+            num_encoder_tokens=self.max_encoder_len,
+        )
+
+    def build(self, n: int, *, boundary: bool, mixed: bool) -> WarmupPlan:
+        cfg, k, q = self.config, self.k, self.q
+        sim = _Simulator(cfg, self.groups, self.num_blocks, self.max_encoder_len, self.lookahead)
+        plan = WarmupPlan(
+            model=cfg.model.model,
+            method=cfg.speculative.method if cfg.speculative else None,
+            num_speculative_tokens=k,
+            block_size=cfg.cache.block_size,
+            max_model_len=cfg.max_model_len,
+            num_lookahead_tokens=self.lookahead,
+            num_blocks=self.num_blocks,
+            kv_groups=self.groups,
+        )
+        batch = [sim.new_request(f"warmup-{i}", self.prompt_len) for i in range(n)]
+        entries = [_Entry(r, self.prompt_len, 0, True) for r in batch]
+        sim.step(
+            "prefill",
+            "prefill",
+            f"{n} prompt(s) of 1+(1+k)={self.prompt_len} tokens: a prefill that no "
+            "uniform-decode shape can be mistaken for",
+            entries,
+        )
+        sim.advance(entries)
+
+        def decode(name: str, reason: str, reqs: list[Request], with_spec: list[bool]) -> list[_Entry]:
+            es = [
+                _Entry(r, 1 + (k if s else 0), k if s else 0, False)
+                for r, s in zip(reqs, with_spec, strict=True)
+            ]
+            sim.step(name, "decode", reason, es)
+            return es
+
+        sim.advance(
+            decode(
+                "decode_all_spec", f"uniform decode: every request verifies 1+k={q} tokens", batch, [True] * n
+            )
+        )
+        if k:
+            mix = [i % 2 == 0 for i in range(n)] if n > 1 else [False]
+            sim.advance(
+                decode("decode_spec_mix", "requests with and without drafts in one batch", batch, mix)
+            )
+            sim.advance(decode("decode_single_spec", "one request with drafts", batch[:1], [True]))
+            sim.advance(decode("decode_single_nospec", "one request without drafts", batch[:1], [False]))
+        else:
+            sim.advance(decode("decode_single", "one request decoding alone", batch[:1], [False]))
+        if boundary:
+            self._cross_boundaries(sim, plan, carrier_index=n)
+        else:
+            plan.skipped.append(SkippedStep("block_boundary", "no room for a boundary-crossing request"))
+        if mixed:
+            self._mixed(sim, batch)
+        else:
+            plan.skipped.append(
+                SkippedStep("mixed_prefill_decode", "no room for a request joining mid-batch")
+            )
+        plan.steps = sim.steps
+        return plan
+
+    def _cross_boundaries(self, sim: _Simulator, plan: WarmupPlan, carrier_index: int) -> None:
+        """A request whose prompt ends just before a block boundary of every group, decoded until
+        the lookahead alone crosses it and then the scheduled tokens do."""
+        k, q, L, M = self.k, self.q, self.lookahead, self.config.max_model_len
+        unit = _crossable_block_size(self.groups, M)
+        if unit is None:
+            plan.skipped.append(
+                SkippedStep("block_boundary", "no group can cross a block within max_model_len")
+            )
+            return
+        boundary = unit
+        # First decode (n = P + q tokens): P + q <= B < P + q + L when L > 0, else P + q = B + 1.
+        prompt = boundary - q - L + 1 if L else boundary - q + 1
+        while prompt < 1:
+            boundary += unit
+            prompt = boundary - q - L + 1 if L else boundary - q + 1
+        if boundary + q + L > M:
+            plan.skipped.append(
+                SkippedStep(
+                    "block_boundary",
+                    f"crossing a {unit}-token boundary needs {boundary + q + L} tokens > max_model_len={M}",
+                )
+            )
+            return
+        req = sim.new_request(f"warmup-{carrier_index}", prompt)
+        chunk = self.config.scheduler.max_num_batched_tokens
+        for start in range(0, prompt, chunk):
+            e = _Entry(req, min(chunk, prompt - start), 0, start == 0)
+            sim.step(
+                f"boundary_prefill_{start // chunk}",
+                "prefill",
+                f"prompt of {prompt} tokens ending just "
+                f"before the {boundary}-token block boundary (chunks of <= {chunk})",
+                [e],
+            )
+            sim.advance([e])
+        seen: set[str] = set()
+        for i in range(4):
+            e = _Entry(req, q, k, False)
+            step = sim.step(
+                f"boundary_decode_{i}",
+                "decode",
+                "decode across the block boundary" + (" (lookahead first, then tokens)" if L else ""),
+                [e],
+            )
+            sim.advance([e])
+            seen.update(step.requests[0].crossed.values())
+            if "tokens" in seen:
+                break
+
+    def _mixed(self, sim: _Simulator, batch: list[Request]) -> None:
+        """A prompt joining running decodes in one step; again over the latent/indexer caches."""
+        k = self.k
+        kinds = [("mixed_prefill_decode", "mixed", "a new prompt joins running decodes in one step")]
+        if any(g.spec.kind in ("indexer", "mla") for g in self.groups):
+            kinds.append(
+                ("sparse_mla_mixed", "sparse_mla", "prefill + decode over the latent and indexer caches")
+            )
+        for name, kind, reason in kinds:
+            req = sim.new_request(f"warmup-{len(sim.running)}", self.prompt_len)
+            entries = [_Entry(req, self.prompt_len, 0, True)] + [_Entry(r, 1 + k, k, False) for r in batch]
+            sim.step(name, kind, reason, entries)
+            sim.advance(entries)
