@@ -1,0 +1,37 @@
+"""The engine start-up hook: plan -> execute with audit -> scrub, with timings kept on the engine."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from warmcap.errors import WarmcapError
+from warmcap.warmup.planner import plan_warmup
+from warmcap.warmup.run import WarmupResult, run_warmup
+
+if TYPE_CHECKING:
+    from warmcap.engine import LLMEngine
+
+
+class AuditViolationError(WarmcapError):
+    """Warmup wrote KV outside the blocks a request holds (invariant I2)."""
+
+
+def warmup_hook(engine: LLMEngine, *, audit: bool | None = None, strict: bool = False) -> WarmupResult:
+    """Plan warmup through the engine's own groups and pool size, run it audited, scrub.
+
+    The audit copies slot mappings to the host, so on CUDA it is opt-in (``audit=True``); on CPU it
+    is on by default. ``strict`` turns any violation into :class:`AuditViolationError`.
+    """
+    if audit is None:
+        audit = engine.device.type != "cuda"
+    t0 = time.perf_counter()
+    plan = plan_warmup(engine.config, engine.kv_groups, engine.num_blocks)
+    planned = time.perf_counter() - t0
+    result = run_warmup(engine.runner, engine.kv_cache_manager, plan, audit=audit)
+    result.seconds["plan"] = planned
+    engine.warmup_result = result
+    if strict and not result.audit.ok:
+        first = "; ".join(str(v) for v in result.audit.violations[:3])
+        raise AuditViolationError(f"warmup audit found {len(result.audit.violations)} stray KV write(s): {first}")
+    return result
