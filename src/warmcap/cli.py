@@ -46,7 +46,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
 ) -> None:
     """warmcap: start-up you can trust."""
 
@@ -54,3 +56,150 @@ def root(
 def main() -> None:
     """Console-script entry point."""
     sys.exit(app())
+
+
+# ---- shared options ------------------------------------------------------------------------------
+
+MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
+SPEC_HELP = (
+    "Speculative decoding: METHOD[:K][@DRAFT] (e.g. eagle3:3, dflash:7, draft_model:3@./draft) or vLLM JSON."
+)
+
+
+def _engine_config(
+    *,
+    model: str,
+    spec: str | None,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    num_blocks: int | None = None,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 512,
+    mamba_cache_mode: str = "none",
+    dtype: str = "float32",
+    device: str = "auto",
+    kv_role: str = "none",
+):
+    from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, device=device),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, mamba_cache_mode=mamba_cache_mode),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        speculative=SpeculativeConfig.parse(spec),
+        kv_role=kv_role,
+    )
+
+
+# ---- warmup plan ---------------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def plan(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    spec: str = typer.Option("none", "--spec", "-s", help=SPEC_HELP),
+    block_size: int = typer.Option(16, help="Tokens per KV block (a power of two)."),
+    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
+    num_blocks: int = typer.Option(
+        None, help="KV pool size in blocks, null block included (default: sized from memory)."
+    ),
+    max_num_seqs: int = typer.Option(8, help="Most requests in one step."),
+    max_num_batched_tokens: int = typer.Option(512, help="Token budget of one step."),
+    mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
+    kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema: docs/warmup.md)."),
+) -> None:
+    """Plan warmup through the scheduler's reservation rule — no weights needed."""
+    import json
+
+    from warmcap.kv_layout import build_kv_groups, meta_model, model_max_len
+    from warmcap.kv_sizing import num_kv_blocks
+    from warmcap.models.presets import resolve_model
+    from warmcap.warmup.plan_view import render_plan
+    from warmcap.warmup.planner import plan_warmup
+
+    config = _engine_config(
+        model=model,
+        spec=spec,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        mamba_cache_mode=mamba_cache_mode,
+        kv_role=kv_role,
+        device="cpu",
+    )
+    path = resolve_model(model, config_only=True)
+    meta, hf_config = meta_model(path, config)
+    limit = model_max_len(hf_config)
+    if config.scheduler.max_model_len is None:
+        config = config.with_max_model_len(limit or 4096)
+    elif limit is not None:
+        config.validate_against(model_max_len=limit)
+    groups = build_kv_groups(meta, config)
+    pool = num_kv_blocks(config, groups, meta_device_for_sizing())
+    result = plan_warmup(config, groups, pool)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        render_plan(result, Console())
+
+
+def meta_device_for_sizing():
+    """Planning sizes the pool as production would on this machine's default device."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- warmup generate -----------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    spec: str = typer.Option("none", "--spec", "-s", help=SPEC_HELP),
+    max_tokens: int = typer.Option(64, help="Most new tokens."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: off)."),
+    seed: int = typer.Option(None, help="Per-request sampling seed."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
+    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+) -> None:
+    """Generate text, streamed as it comes; with --spec, acceptance stats follow."""
+    from warmcap.engine import LLM
+    from warmcap.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
+    )
+    llm = LLM(
+        model, speculative_config=None if spec == "none" else spec, max_model_len=max_model_len, dtype=dtype
+    )
+    use_chat = chat and getattr(llm.tokenizer, "chat_template", None) is not None
+    out = Console()
+    for delta in llm.generate_stream(prompt, params, use_chat_template=use_chat):
+        out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
+    out.print()
+    stats = _spec_stats(llm)
+    if stats:
+        err.print(stats, highlight=False)
+
+
+def _spec_stats(llm) -> str | None:
+    metrics = getattr(llm.engine, "spec_metrics", None)
+    if metrics is None:
+        return None
+    from warmcap.metrics import format_spec_stats
+
+    return format_spec_stats(metrics)
