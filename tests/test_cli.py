@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from warmcap.cli import app
+from warmcap.warmup.plan_view import plan_schema
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def test_readme_opens_with_the_two_setup_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
+    assert len(block) == 2
+    main_cmd, test_cmd = block
+    assert "warmup run" in main_cmd and "pytest" in test_cmd
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_cmd in ci
+    assert "HF_HUB_OFFLINE=1" in ci and "TRITON_INTERPRET=1" in ci
+
+
+def test_version():
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.startswith("warmcap ")
+
+
+def test_plan_json_follows_the_documented_schema():
+    res = runner.invoke(app, ["plan", "--model", "tiny-llama", "--spec", "eagle3:3", "--json", "--num-blocks", "64"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    jsonschema.validate(data, plan_schema())
+    assert data["spec"] == {"method": "eagle3", "num_speculative_tokens": 3}
+    assert data["num_lookahead_tokens"] == 3
+
+
+def test_plan_table_names_every_step_and_the_blocks():
+    res = runner.invoke(app, ["plan", "--model", "tiny-llama", "--spec", "dflash:7", "--num-blocks", "64"])
+    assert res.exit_code == 0, res.output
+    for step in ("prefill", "decode_all_spec", "boundary_decode_0", "mixed_prefill_decode"):
+        assert step in res.output
+    assert "lookahead=8" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--spec", "eagle3:x"], "K must be an integer"),
+        (["--spec", "medusa:2"], "unknown speculative method"),
+        (["--spec", "dflash:7", "--num-blocks", "2", "--block-size", "8"], "Raise --num-blocks to at least"),
+        (["--block-size", "12"], "power of two"),
+        (["--model", "/nonexistent/model"], "neither a preset nor a directory"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_2(args, needle):
+    res = runner.invoke(app, ["plan", "--model", "tiny-llama", *args])
+    assert res.exit_code == 2
+    assert needle in " ".join(res.output.split())
+    assert "Traceback" not in res.output
