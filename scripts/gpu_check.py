@@ -1,0 +1,223 @@
+"""GPU validation of warmcap's graph path: run on a CUDA machine, record the results with a date.
+
+For tiny-llama (with and without ngram speculation) and smollm2-135m, on the torch attention
+backend and on FlashInfer when importable:
+- build the engine, capture every target graph with the ``cuda`` backend, verify each (I4);
+- time graph replay vs the eager forward on the same static inputs (ratio), per graph capture time
+  and memory (free-memory delta);
+- greedy generation before and after capture must be token-identical (and graphs must be used);
+then compare the Triton slot-mapping kernel, compiled for real, with the torch reference.
+
+Prints a summary; writes ``gpu_check.json`` into ``$OUT`` when that is set. Exit code 0 when every
+check passed, 1 when any failed, 2 when there is no CUDA device.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENGINES: list[tuple[str, str, str | None]] = [
+    # (model preset, dtype, speculative spec)
+    ("tiny-llama", "float32", None),
+    ("tiny-llama", "float32", "ngram:2"),
+    ("smollm2-135m", "bfloat16", None),
+]
+PROMPTS = ["The capital of France is", "Count: one, two, three,", "def add(a, b):", "Once upon a time"]
+TIMING_ITERS = 20
+
+
+def _timed(fn: Any, iters: int) -> float:
+    """Mean seconds per call after one warm call, synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def _replay_vs_eager(capturer: Any, graphs: list[Any]) -> list[dict[str, Any]]:
+    """Replay and eager forward timings on the same (padding-only) static inputs."""
+    out = []
+    decode = [g for g in graphs if g.spec.descriptor.uniform_query_len is not None]
+    picks = {id(g): g for g in (decode[-1:] + decode[:1] + graphs[:1])}.values()
+    with torch.inference_mode():
+        for g in picks:
+            capturer.load(g.spec)
+            replay = _timed(g.replay_fn, TIMING_ITERS)
+            eager = _timed(lambda g=g: capturer.eager(g.spec, g.metas), TIMING_ITERS)
+            out.append(
+                {
+                    "graph": g.spec.label,
+                    "replay_ms": replay * 1e3,
+                    "eager_ms": eager * 1e3,
+                    "speedup": eager / replay if replay > 0 else None,
+                }
+            )
+    return out
+
+
+def check_engine(model: str, dtype: str, spec: str | None, attn: str) -> dict[str, Any]:
+    from rich.console import Console
+
+    from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from warmcap.engine import LLMEngine
+    from warmcap.graphs.render import render
+    from warmcap.graphs.report import SpecInfo
+    from warmcap.graphs.startup import capture_graphs
+    from warmcap.runner_v2.attention.selector import select_backend
+    from warmcap.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, device="cuda"),
+        cache=CacheConfig(block_size=16, num_blocks=1024),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512),
+        speculative=SpeculativeConfig.parse(spec),
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(config, startup_hooks=[])
+    load_s = time.perf_counter() - t0
+    runner = engine.runner
+    runner.attn_backend = select_backend(runner.device, name=attn)
+    params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in PROMPTS]
+    before = [o.token_ids for o in engine.generate(PROMPTS, params)]
+
+    startup = capture_graphs(runner, engine.kv_cache_manager, backend="cuda")
+    timings = _replay_vs_eager(startup.capturer, startup.result.graphs)
+
+    after = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    replays = sum(startup.graph_runner.replays.values())
+    k = config.num_speculative_tokens
+    report = startup.report(
+        model=model,
+        device=torch.cuda.get_device_name(),
+        spec=SpecInfo(config.speculative.method if config.speculative else None, k),
+        timings={"load": load_s},
+    )
+    render(report, Console())
+    notes = []
+    if replays == 0:
+        notes.append(
+            "generation did not replay any graph: ModelRunner.execute_model lacks the graph_runner hook"
+        )
+    ok = report.totals.all_verified and before == after and replays > 0
+    return {
+        "model": model,
+        "dtype": dtype,
+        "spec": spec,
+        "attention": attn,
+        "ok": ok,
+        "generation_identical": before == after,
+        "graph_replays_during_generation": replays,
+        "replay_vs_eager": timings,
+        "report": report.to_dict(),
+        "notes": notes,
+    }
+
+
+def check_slot_mapping() -> dict[str, Any]:
+    from warmcap.runner_v2.slot_mapping import compute_slot_mapping
+    from warmcap.runner_v2.triton_slot_mapping import triton_slot_mapping
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    reqs, width, bs, num_tokens = 64, 128, 16, 4096
+    table = torch.randint(1, 10_000, (reqs, width), dtype=torch.int32, device="cuda", generator=gen)
+    lens = torch.full((reqs,), num_tokens // reqs, dtype=torch.int32, device="cuda")
+    qsl = torch.zeros(reqs + 1, dtype=torch.int32, device="cuda")
+    qsl[1:] = torch.cumsum(lens, 0)
+    starts = torch.randint(0, width * bs - num_tokens // reqs, (reqs,), device="cuda", generator=gen)
+    positions = (
+        starts.repeat_interleave(lens.long()) + torch.arange(num_tokens, device="cuda") % lens[0]
+    ).long()
+    ref = torch.empty(num_tokens + 128, dtype=torch.int64, device="cuda")
+    got = torch.empty_like(ref)
+    torch_s = _timed(lambda: compute_slot_mapping(table, qsl, positions, bs, ref), 50)
+    triton_s = _timed(lambda: triton_slot_mapping(table, qsl, positions, bs, got), 50)
+    equal = bool(torch.equal(ref, got))
+    return {
+        "ok": equal,
+        "equal": equal,
+        "torch_us": torch_s * 1e6,
+        "triton_us": triton_s * 1e6,
+        "tokens": num_tokens,
+    }
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: CUDA is not available here (torch.cuda.is_available() is False); "
+            "run this script on a CUDA machine. Nothing was checked."
+        )
+        return 2
+    from warmcap.runner_v2.attention.selector import flashinfer_available
+
+    attns = ["torch", *(["flashinfer"] if flashinfer_available() else [])]
+    results: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "flashinfer": "flashinfer" in attns,
+        "engines": [],
+    }
+    for model, dtype, spec in ENGINES:
+        for attn in attns:
+            name = f"{model} {dtype} spec={spec} attention={attn}"
+            print(f"\n=== {name}", flush=True)
+            try:
+                results["engines"].append(check_engine(model, dtype, spec, attn))
+            except Exception as exc:
+                traceback.print_exc()
+                results["engines"].append(
+                    {"model": model, "spec": spec, "attention": attn, "ok": False, "error": repr(exc)}
+                )
+            torch.cuda.empty_cache()
+    try:
+        results["slot_mapping"] = check_slot_mapping()
+    except Exception as exc:
+        traceback.print_exc()
+        results["slot_mapping"] = {"ok": False, "error": repr(exc)}
+
+    print("\n=== summary")
+    for e in results["engines"]:
+        line = f"{'PASS' if e['ok'] else 'FAIL'}  {e['model']} spec={e['spec']} attention={e['attention']}"
+        if "error" in e:
+            line += f"  error: {e['error']}"
+        else:
+            graphs = e["report"]["totals"]
+            line += (
+                f"  graphs={graphs['count']} verified={graphs['all_verified']} capture={graphs['seconds']:.2f}s "
+                f"memory={graphs['bytes'] / 2**20:.1f}MiB generation_identical={e['generation_identical']} "
+                f"replays={e['graph_replays_during_generation']}"
+            )
+            for t in e["replay_vs_eager"]:
+                line += (
+                    f"\n      {t['graph']}: replay {t['replay_ms']:.3f} ms vs eager {t['eager_ms']:.3f} ms"
+                )
+                line += f" (x{t['speedup']:.1f})" if t["speedup"] else ""
+        print(line)
+    sm = results["slot_mapping"]
+    print(f"{'PASS' if sm['ok'] else 'FAIL'}  triton slot mapping vs torch: {json.dumps(sm)}")
+
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path = Path(out_dir) / "gpu_check.json"
+        path.write_text(json.dumps(results, indent=2))
+        print(f"wrote {path}")
+    all_ok = all(e["ok"] for e in results["engines"]) and sm["ok"]
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

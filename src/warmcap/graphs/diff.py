@@ -1,0 +1,134 @@
+"""Compare two capture reports (e.g. yesterday's CI run and today's) and flag regressions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from warmcap.graphs.report import CaptureReport, GraphRecord
+
+# Capture times below this many seconds are noise on any machine; changes under it are not judged.
+TIME_FLOOR_S = 0.005
+
+
+@dataclass(frozen=True, slots=True)
+class DiffRow:
+    """One compared metric: ``status`` is ``regression``, ``improvement`` or ``same``."""
+
+    metric: str
+    old: str
+    new: str
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class DiffResult:
+    """Human-readable regressions and improvements, plus every compared row for a table."""
+
+    regressions: list[str] = field(default_factory=list)
+    improvements: list[str] = field(default_factory=list)
+    rows: list[DiffRow] = field(default_factory=list)
+
+    @property
+    def has_regressions(self) -> bool:
+        """Whether anything got worse."""
+        return bool(self.regressions)
+
+
+class _Differ:
+    def __init__(self, time_tolerance: float, memory_tolerance: float) -> None:
+        self.time_tolerance = time_tolerance
+        self.memory_tolerance = memory_tolerance
+        self.result = DiffResult()
+
+    def add(self, metric: str, old: str, new: str, status: str, message: str = "") -> None:
+        self.result.rows.append(DiffRow(metric, old, new, status))
+        if status == "regression":
+            self.result.regressions.append(message or f"{metric}: {old} -> {new}")
+        elif status == "improvement":
+            self.result.improvements.append(message or f"{metric}: {old} -> {new}")
+
+    def seconds(self, metric: str, old: float, new: float) -> None:
+        status = _relative(old, new, self.time_tolerance, floor=TIME_FLOOR_S)
+        pct = f" ({_pct(old, new)})" if old > 0 else ""
+        self.add(metric, f"{old:.3f}s", f"{new:.3f}s", status, f"{metric}: {old:.3f}s -> {new:.3f}s{pct}")
+
+    def memory(self, metric: str, old: int, new: int) -> None:
+        status = _relative(old, new, self.memory_tolerance, floor=0)
+        pct = f" ({_pct(old, new)})" if old > 0 else ""
+        self.add(metric, _mib(old), _mib(new), status, f"{metric}: {_mib(old)} -> {_mib(new)}{pct}")
+
+
+def diff_reports(
+    old: CaptureReport,
+    new: CaptureReport,
+    *,
+    time_tolerance: float = 0.25,
+    memory_tolerance: float = 0.10,
+    acceptance_tolerance: float = 0.0,
+) -> DiffResult:
+    """Compare ``new`` against ``old``.
+
+    Regressions: capture time up by more than ``time_tolerance`` (total and per graph; changes under
+    5 ms are ignored), memory up by more than ``memory_tolerance`` (total and per graph), acceptance
+    length down by more than ``acceptance_tolerance`` (absolute), more audit violations, a graph that
+    stopped verifying, a graph that disappeared. The mirror images count as improvements.
+    """
+    d = _Differ(time_tolerance, memory_tolerance)
+    ot, nt = old.totals, new.totals
+    d.seconds("total capture time", ot.seconds, nt.seconds)
+    d.memory("total graph memory", ot.bytes, nt.bytes)
+
+    old_acc, new_acc = old.spec_decode.acceptance_length, new.spec_decode.acceptance_length
+    if old.spec_decode.num_drafts or new.spec_decode.num_drafts:
+        if new_acc < old_acc - acceptance_tolerance:
+            status = "regression"
+        elif new_acc > old_acc + acceptance_tolerance:
+            status = "improvement"
+        else:
+            status = "same"
+        d.add("acceptance length", f"{old_acc:.3f}", f"{new_acc:.3f}", status)
+
+    ov, nv = old.warmup_audit.violations, new.warmup_audit.violations
+    status = "regression" if nv > ov else "improvement" if nv < ov else "same"
+    d.add("warmup audit violations", str(ov), str(nv), status)
+
+    old_graphs = {g.key: g for g in old.graphs}
+    new_graphs = {g.key: g for g in new.graphs}
+    for key, og in old_graphs.items():
+        ng = new_graphs.get(key)
+        if ng is None:
+            d.add(f"graph {og.label}", "captured", "missing", "regression", f"graph {og.label} disappeared")
+            continue
+        _compare_graph(d, og, ng)
+    for key, ng in new_graphs.items():
+        if key not in old_graphs:
+            d.add(f"graph {ng.label}", "missing", "captured", "improvement", f"new graph {ng.label}")
+    return d.result
+
+
+def _compare_graph(d: _Differ, og: GraphRecord, ng: GraphRecord) -> None:
+    d.seconds(f"{og.label} capture time", og.capture_seconds, ng.capture_seconds)
+    d.memory(f"{og.label} memory", og.memory_bytes, ng.memory_bytes)
+    if og.verified != ng.verified:
+        if ng.verified:
+            d.add(f"{og.label} verified", "no", "yes", "improvement", f"graph {og.label} now verifies")
+        else:
+            d.add(f"{og.label} verified", "yes", "no", "regression", f"graph {og.label} stopped verifying")
+
+
+def _relative(old: float, new: float, tolerance: float, *, floor: float) -> str:
+    if abs(new - old) <= floor:
+        return "same"
+    if new > old * (1.0 + tolerance):
+        return "regression"
+    if new < old * (1.0 - tolerance):
+        return "improvement"
+    return "same"
+
+
+def _pct(old: float, new: float) -> str:
+    return f"{(new - old) / old:+.0%}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"

@@ -1,0 +1,148 @@
+"""Render capture reports and report diffs with rich, for people reading a start-up log."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from warmcap.graphs.diff import DiffResult
+from warmcap.graphs.report import CaptureReport, GraphRecord
+
+BACKEND_EXPLAINED = {
+    "cuda": "CUDA graphs were recorded with torch.cuda.CUDAGraph into one shared memory pool and "
+    "replayed on real batches padded to the captured sizes.",
+    "static": "No CUDA graph was recorded on this machine. The 'static' backend runs the same "
+    "capture and replay code over the same static input buffers, but 'replay' re-runs the eager "
+    "forward on those buffers. It proves the padding and buffer handling (replay equals eager, "
+    "padded rows never touch real rows); it says nothing about CUDA-graph speed or memory, which "
+    "are shown as the size of the static output buffers.",
+    "compile": "Each shape was compiled with torch.compile over the static input buffers; no CUDA "
+    "graph was recorded.",
+}
+
+
+def render(report: CaptureReport, console: Console) -> None:
+    """Print the report: header, per-graph table, totals, warmup audit and spec-decode lines."""
+    spec = f"{report.spec.method} k={report.spec.k}" if report.spec.method else "none"
+    header = Text.assemble(
+        ("model ", "bold"),
+        report.model,
+        ("   device ", "bold"),
+        report.device,
+        ("   backend ", "bold"),
+        report.backend,
+        ("   speculation ", "bold"),
+        spec,
+        "\n",
+        BACKEND_EXPLAINED[report.backend],
+        "\n",
+        ("capture sizes ", "bold"),
+        _sizes(report.capture_sizes),
+    )
+    console.print(Panel(header, title="warmcap graph capture", expand=False))
+    console.print(_graph_table(report.graphs, report.backend))
+
+    t = report.totals
+    ok = "[green]all verified[/]" if t.all_verified else "[red]NOT all verified[/]"
+    console.print(f"[bold]totals[/]  {t.count} graphs, {t.seconds:.3f} s, {_mib(t.bytes)}, {ok}")
+
+    a = report.warmup_audit
+    verdict = "[green]no stray KV write[/]" if a.violations == 0 else f"[red]{a.violations} violations[/]"
+    console.print(
+        f"[bold]warmup audit[/]  {a.steps} steps, {a.passes} passes, "
+        f"{a.slots_checked} slots checked: {verdict}"
+    )
+    for sample in a.violation_samples:
+        console.print(f"  [red]- {sample}[/]")
+
+    s = report.spec_decode
+    if s.num_drafts:
+        per_pos = ", ".join(str(n) for n in s.per_position) or "-"
+        console.print(
+            f"[bold]spec decode[/]  acceptance length {s.acceptance_length:.2f} "
+            f"({s.num_accepted_tokens}/{s.num_draft_tokens} drafts accepted over {s.num_drafts} steps; "
+            f"accepted per position: {per_pos})"
+        )
+    else:
+        console.print("[bold]spec decode[/]  no drafts were verified")
+
+    timings = [f"{k} {v:.2f}s" for k, v in report.timings.items() if v is not None]
+    if timings:
+        console.print("[bold]timings[/]  " + ", ".join(timings))
+    for note in report.notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def _graph_table(graphs: list[GraphRecord], backend: str) -> Table:
+    memory_title = "out buffer" if backend == "static" else "memory"
+    table = Table(title="graphs (capture order is largest first)", show_lines=False)
+    for name, justify in (
+        ("phase", "left"),
+        ("mode", "left"),
+        ("tokens", "right"),
+        ("reqs", "right"),
+        ("q len", "right"),
+        ("capture s", "right"),
+        (memory_title, "right"),
+        ("|replay-eager|", "right"),
+        ("|real rows|", "right"),
+        ("greedy", "center"),
+        ("verified", "center"),
+    ):
+        table.add_column(name, justify=justify)
+    for g in graphs:
+        table.add_row(
+            g.phase,
+            g.mode,
+            str(g.num_tokens),
+            _opt(g.num_reqs),
+            _opt(g.uniform_query_len),
+            f"{g.capture_seconds:.3f}",
+            _mib(g.memory_bytes),
+            _diff(g.max_abs_diff),
+            _diff(g.real_rows_max_abs_diff),
+            _yes_no(g.greedy_match),
+            _yes_no(g.verified),
+        )
+    return table
+
+
+def render_diff(result: DiffResult, console: Console) -> None:
+    """Print a diff table (regressions first) and a one-line verdict."""
+    table = Table(title="capture report diff")
+    for name in ("metric", "old", "new", "status"):
+        table.add_column(name)
+    order = {"regression": 0, "improvement": 1, "same": 2}
+    style = {"regression": "red", "improvement": "green", "same": "dim"}
+    for row in sorted(result.rows, key=lambda r: order[r.status]):
+        table.add_row(row.metric, row.old, row.new, Text(row.status, style=style[row.status]))
+    verdict = (
+        Text(f"{len(result.regressions)} regression(s)", style="bold red")
+        if result.has_regressions
+        else Text("no regressions", style="bold green")
+    )
+    console.print(Group(table, verdict))
+
+
+def _sizes(sizes: list[int]) -> str:
+    return ", ".join(str(s) for s in sizes) if sizes else "-"
+
+
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _diff(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def _yes_no(value: bool | None) -> Text:
+    if value is None:
+        return Text("-", style="dim")
+    return Text("yes", style="green") if value else Text("NO", style="bold red")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"

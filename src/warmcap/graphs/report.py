@@ -1,0 +1,216 @@
+"""The graph-capture report: records, JSON round trip and its schema.
+
+``CaptureReport.to_json()`` output validates against ``warmcap/schemas/capture_report.schema.json``
+(JSON Schema draft 2020-12). Derived numbers (totals, acceptance length) are written for readers
+and recomputed on load, so a hand-edited file cannot disagree with its own records.
+Rendering lives in :mod:`warmcap.graphs.render`, comparison in :mod:`warmcap.graphs.diff`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any, Literal
+
+from warmcap.errors import ConfigError
+
+REPORT_VERSION = 1
+PHASES: tuple[str, ...] = ("decode", "mixed", "sparse_mla", "draft_prefill", "draft_decode")
+BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
+TIMING_KEYS: tuple[str, ...] = ("load", "kv_sizing", "warmup", "capture", "verify", "smoke")
+
+Phase = Literal["decode", "mixed", "sparse_mla", "draft_prefill", "draft_decode"]
+Backend = Literal["cuda", "static", "compile"]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphRecord:
+    """One captured graph: its key, cost, and whether replay matched eager (invariant I4)."""
+
+    phase: Phase
+    mode: str
+    num_tokens: int
+    num_reqs: int | None
+    uniform_query_len: int | None
+    capture_seconds: float
+    memory_bytes: int
+    verified: bool = False
+    max_abs_diff: float | None = None
+    real_rows_max_abs_diff: float | None = None
+    greedy_match: bool | None = None
+
+    @property
+    def key(self) -> tuple[str, str, int, int | None, int | None]:
+        """Identity used to match graphs across two reports."""
+        return (self.phase, self.mode, self.num_tokens, self.num_reqs, self.uniform_query_len)
+
+    @property
+    def label(self) -> str:
+        """Short human-readable key, e.g. ``decode FULL t=8 r=4 q=2``."""
+        parts = [self.phase, self.mode, f"t={self.num_tokens}"]
+        if self.num_reqs is not None:
+            parts.append(f"r={self.num_reqs}")
+        if self.uniform_query_len is not None:
+            parts.append(f"q={self.uniform_query_len}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecInfo:
+    """The speculative setting the graphs were captured for (method None: no speculation)."""
+
+    method: str | None = None
+    k: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Sums over all graphs."""
+
+    count: int
+    seconds: float
+    bytes: int
+    all_verified: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupAudit:
+    """Outcome of the warmup KV-write audit (invariant I2)."""
+
+    steps: int = 0
+    passes: int = 0
+    slots_checked: int = 0
+    violations: int = 0
+    violation_samples: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeStats:
+    """Speculative-decoding counters of the smoke run; ``per_position[i]`` counts accepted drafts
+    at draft position i."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verify step: 1 + accepted drafts per draft step (0 with no drafts)."""
+        if self.num_drafts == 0:
+            return 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureReport:
+    """Everything start-up did to graphs, for one engine on one device."""
+
+    model: str
+    device: str
+    backend: Backend
+    spec: SpecInfo = field(default_factory=SpecInfo)
+    capture_sizes: list[int] = field(default_factory=list)
+    graphs: list[GraphRecord] = field(default_factory=list)
+    warmup_audit: WarmupAudit = field(default_factory=WarmupAudit)
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    timings: dict[str, float | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown graph backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        unknown = sorted(set(self.timings) - set(TIMING_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown timing keys {unknown}: known keys are {list(TIMING_KEYS)}")
+        for g in self.graphs:
+            if g.phase not in PHASES:
+                raise ConfigError(f"unknown graph phase {g.phase!r}: use one of {', '.join(PHASES)}")
+
+    @property
+    def totals(self) -> Totals:
+        """Count, capture seconds, memory and whether every graph verified."""
+        return Totals(
+            count=len(self.graphs),
+            seconds=sum(g.capture_seconds for g in self.graphs),
+            bytes=sum(g.memory_bytes for g in self.graphs),
+            all_verified=all(g.verified for g in self.graphs),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (schema: ``capture_report.schema.json``)."""
+        spec_decode = asdict(self.spec_decode)
+        spec_decode["acceptance_length"] = self.spec_decode.acceptance_length
+        return {
+            "version": REPORT_VERSION,
+            "model": self.model,
+            "device": self.device,
+            "backend": self.backend,
+            "spec": asdict(self.spec),
+            "capture_sizes": list(self.capture_sizes),
+            "graphs": [_graph_dict(g) for g in self.graphs],
+            "totals": asdict(self.totals),
+            "warmup_audit": asdict(self.warmup_audit),
+            "spec_decode": spec_decode,
+            "timings": {k: self.timings.get(k) for k in TIMING_KEYS},
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The report as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CaptureReport:
+        """Inverse of :meth:`to_dict`; derived fields (totals, acceptance length) are recomputed."""
+        version = data.get("version")
+        if version != REPORT_VERSION:
+            raise ConfigError(
+                f"capture report version {version!r} is not supported (expected {REPORT_VERSION}): "
+                "regenerate it with this warmcap"
+            )
+        try:
+            spec_decode = {k: v for k, v in data["spec_decode"].items() if k != "acceptance_length"}
+            return cls(
+                model=data["model"],
+                device=data["device"],
+                backend=data["backend"],
+                spec=SpecInfo(**data["spec"]),
+                capture_sizes=list(data["capture_sizes"]),
+                graphs=[GraphRecord(**g) for g in data["graphs"]],
+                warmup_audit=WarmupAudit(**data["warmup_audit"]),
+                spec_decode=SpecDecodeStats(**spec_decode),
+                timings={k: v for k, v in data["timings"].items() if v is not None},
+                notes=list(data["notes"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"capture report is malformed ({exc}): regenerate it") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> CaptureReport:
+        """Parse JSON text written by :meth:`to_json`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"capture report is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, dict):
+            raise ConfigError("capture report must be a JSON object")
+        return cls.from_dict(data)
+
+
+def _graph_dict(g: GraphRecord) -> dict[str, Any]:
+    data = asdict(g)
+    # NOTE: a diverged replay can yield inf/NaN, which JSON cannot carry; such a graph is already
+    # unverified, so the number is dropped rather than written as invalid JSON.
+    for key in ("max_abs_diff", "real_rows_max_abs_diff"):
+        if data[key] is not None and not math.isfinite(data[key]):
+            data[key] = None
+    return data
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of :meth:`CaptureReport.to_dict`."""
+    path = resources.files("warmcap").joinpath("schemas/capture_report.schema.json")
+    return json.loads(path.read_text())

@@ -1,0 +1,247 @@
+"""Invariant I4: every captured graph, replayed on a real padded batch, equals eager.
+
+For each graph a real batch with fewer requests / tokens than the graph holds (so there is padding)
+is built on blocks taken from the KV cache manager: its context is written by an eager prefill, then
+
+1. the unpadded batch runs eagerly (the reference for real rows),
+2. the batch is padded into the graph's buffers and replayed,
+3. the same padded inputs run eagerly over the graph's metadata;
+
+replay vs 3 must agree everywhere (bit-equal on CPU), replay vs 1 on real rows within a tight
+tolerance and with the same greedy token. Afterwards the blocks are freed (tail first, which
+restores the free queue) and zeroed, so verification leaves no trace in the pool or the KV tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from warmcap.core.request import Request
+from warmcap.runner_v2.input_batch import StepInputs
+
+if TYPE_CHECKING:
+    from warmcap.core.kv_cache_manager import KVCacheManager
+    from warmcap.graphs.capture import CapturedGraph, GraphCapturer
+    from warmcap.graphs.planning import GraphSpec
+
+VERIFY_REQ_PREFIX = "graph-verify-"
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """Max |diff| allowed: replay vs eager on the same padded inputs, and real rows vs unpadded."""
+
+    replay_vs_eager: float
+    real_rows: float
+
+
+def default_tolerance(device: torch.device, dtype: torch.dtype, backend: str = "static") -> Tolerance:
+    """Bit-equal / 1e-5 on CPU; on GPU kernels may pick other tilings per shape, so allow more.
+    ``compile`` fuses kernels differently from eager, so its replay gets the real-row tolerance."""
+    if device.type == "cpu":
+        return Tolerance(1e-5 if backend == "compile" else 0.0, 1e-5)
+    if dtype == torch.float32:
+        return Tolerance(1e-5, 1e-3)
+    return Tolerance(1e-2, 5e-2)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCheck:
+    """Outcome of verifying one graph."""
+
+    label: str
+    num_real_tokens: int
+    num_real_reqs: int
+    max_abs_diff: float
+    real_rows_max_abs_diff: float
+    greedy_match: bool
+    verified: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    query_lens: list[int]
+    contexts: list[int]
+    decode: bool
+
+
+def _layout(spec: GraphSpec, max_model_len: int) -> _Layout | None:
+    """Real rows for ``spec``: one request fewer than a uniform graph holds; one token fewer than a
+    mixed graph holds, spread over up to its request cap with a prompt chunk first."""
+    d = spec.descriptor
+    if d.uniform_query_len is not None:
+        q = d.uniform_query_len
+        lens = [q] * max(1, d.request_cap - 1)
+        decode = True
+    else:
+        t = max(1, d.num_tokens - 1)
+        r = min(d.request_cap, t)
+        lens = [t // r + (1 if i < t % r else 0) for i in range(r)]
+        decode = False
+    if max(lens) >= max_model_len:
+        return None
+    # Contexts of varied length so rows cross block boundaries at different columns.
+    contexts = [min(2 + (5 * i) % 13, max_model_len - n) for i, n in enumerate(lens)]
+    return _Layout(lens, contexts, decode)
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    return next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
+
+
+def _step(
+    tokens: list[np.ndarray],
+    starts: list[int],
+    lens: list[int],
+    tables: dict[str, torch.Tensor],
+    num_blocks: int,
+    *,
+    decode: bool,
+) -> StepInputs:
+    r = len(lens)
+    qsl = np.zeros(r + 1, dtype=np.int32)
+    np.cumsum(lens, out=qsl[1:])
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens, strict=True)]).astype(
+        np.int64
+    )
+    input_ids = np.concatenate([tok[s : s + n] for tok, s, n in zip(tokens, starts, lens, strict=True)])
+    # Decode rows sample every token (the sampled one and its drafts); a prompt chunk samples none.
+    num_logits = np.array(lens if decode else [0] * r, dtype=np.int32)
+    logits_indices = np.concatenate(
+        [np.arange(qsl[i + 1] - n, qsl[i + 1]) for i, n in enumerate(num_logits)] + [np.zeros(0)]
+    ).astype(np.int64)
+    return StepInputs(
+        req_ids=[f"{VERIFY_REQ_PREFIX}{i}" for i in range(r)],
+        rows=np.arange(r, dtype=np.int64),
+        num_scheduled=np.array(lens, dtype=np.int32),
+        query_start_loc=qsl,
+        positions=positions,
+        input_ids=input_ids.astype(np.int64),
+        seq_lens=np.array([s + n for s, n in zip(starts, lens, strict=True)], dtype=np.int32),
+        block_tables=tables,
+        logits_indices=logits_indices,
+        num_logits=num_logits,
+        draft_token_ids=[
+            list(map(int, tok[s + 1 : s + n])) if decode else []
+            for tok, s, n in zip(tokens, starts, lens, strict=True)
+        ],
+        max_num_blocks=num_blocks,
+    )
+
+
+def verify_graphs(
+    capturer: GraphCapturer,
+    graphs: list[CapturedGraph],
+    kv_cache_manager: KVCacheManager,
+    *,
+    tolerance: Tolerance | None = None,
+    seed: int = 0,
+) -> list[GraphCheck]:
+    """Verify every graph (see the module docstring); one :class:`GraphCheck` per graph."""
+    runner = capturer.runner
+    tol = tolerance or default_tolerance(runner.device, runner.dtype, capturer.backend)
+    rng = np.random.default_rng(seed)
+    vocab = _vocab_size(runner.model)
+    with torch.inference_mode():
+        return [_verify_one(capturer, g, kv_cache_manager, tol, rng, vocab) for g in graphs]
+
+
+def _verify_one(
+    capturer: GraphCapturer,
+    graph: CapturedGraph,
+    manager: KVCacheManager,
+    tol: Tolerance,
+    rng: np.random.Generator,
+    vocab: int,
+) -> GraphCheck:
+    runner = capturer.runner
+    spec = graph.spec
+    layout = _layout(spec, runner.max_model_len)
+    if layout is None:
+        return GraphCheck(
+            spec.label, 0, 0, float("nan"), float("nan"), False, False, "graph exceeds max_model_len"
+        )
+    lens, contexts = layout.query_lens, layout.contexts
+    requests = [Request(f"{VERIFY_REQ_PREFIX}{spec.label}-{i}", []) for i in range(len(lens))]
+    taken: list[Request] = []
+    try:
+        for req, c, n in zip(requests, contexts, lens, strict=True):
+            if manager.allocate_slots(req, c + n) is None:
+                return GraphCheck(
+                    spec.label, 0, 0, float("nan"), float("nan"), False, False, "KV pool too small"
+                )
+            taken.append(req)
+        block_ids = [manager.get_block_ids(req.request_id) for req in requests]
+        width = runner.buffers.max_blocks_per_req
+        tables = {}
+        for group in runner.buffers.group_block_sizes:
+            table = torch.zeros(len(lens), width, dtype=torch.int32)
+            for i, ids in enumerate(block_ids):
+                table[i, : len(ids[group])] = torch.tensor(ids[group], dtype=torch.int32)
+            tables[group] = table
+        num_blocks = max(len(ids) for b in block_ids for ids in b.values())
+        tokens = [rng.integers(0, vocab, size=c + n) for c, n in zip(contexts, lens, strict=True)]
+        return _compare(capturer, graph, tokens, layout, tables, num_blocks, tol)
+    finally:
+        used = sorted(
+            {b for req in taken for ids in manager.get_block_ids(req.request_id).values() for b in ids if b}
+        )
+        for req in reversed(taken):
+            manager.free(req)
+        runner.kv_caches.zero_blocks(used)
+
+
+def _compare(
+    capturer: GraphCapturer,
+    graph: CapturedGraph,
+    tokens: list[np.ndarray],
+    layout: _Layout,
+    tables: dict[str, torch.Tensor],
+    num_blocks: int,
+    tol: Tolerance,
+) -> GraphCheck:
+    runner = capturer.runner
+    buffers = runner.buffers
+    spec = graph.spec
+    lens, contexts = layout.query_lens, layout.contexts
+    for i, c in enumerate(contexts):
+        if c == 0:
+            continue
+        # Context of row i, written by an eager prefill of that request alone.
+        one = {g: t[i : i + 1] for g, t in tables.items()}
+        prefill = _step([tokens[i]], [0], [c], one, num_blocks, decode=False)
+        buffers.copy_from(prefill)
+        runner.forward_batch(prefill.num_tokens, buffers.attn_metadata(num_columns=num_blocks))
+
+    step = _step(tokens, contexts, lens, tables, num_blocks, decode=layout.decode)
+    t = step.num_tokens
+    last = torch.as_tensor(step.query_start_loc[1:] - 1, dtype=torch.int64, device=runner.device)
+    buffers.copy_from(step)
+    reference = runner.forward_batch(t, buffers.attn_metadata(num_columns=num_blocks))[:t].clone()
+
+    capturer.load(spec, step)
+    graph.replay_fn()
+    replayed = graph.output[: spec.num_tokens].clone()
+
+    capturer.load(spec, step)
+    eager_padded = capturer.eager(spec, graph.metas)[: spec.num_tokens]
+
+    diff = _max_abs(replayed, eager_padded)
+    real_diff = _max_abs(replayed[:t], reference)
+    model = runner.model
+    greedy_ref = model.compute_logits(reference[last]).argmax(-1)
+    greedy_graph = model.compute_logits(replayed[:t][last]).argmax(-1)
+    greedy = bool(torch.equal(greedy_ref, greedy_graph))
+    ok = diff <= tol.replay_vs_eager and real_diff <= tol.real_rows and greedy
+    return GraphCheck(spec.label, t, step.num_reqs, diff, real_diff, greedy, ok)
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return float((a.float() - b.float()).abs().max())
