@@ -1,0 +1,206 @@
+"""DeepSeek-V3 (MLA + MoE) and DeepSeek-V3.2 (MLA + lightning-indexer sparse attention).
+
+Layers ``< first_k_dense_replace`` (or ``mlp_layer_types == "dense"``) use a dense gated MLP, the
+rest the MoE of :mod:`warmcap.models.moe`. Checkpoint names follow transformers; MTP layers stored
+past ``num_hidden_layers`` (``num_nextn_predict_layers``) are skipped here (they belong to a drafter).
+
+KV layout: every layer has an MLA cache (``model.layers.N.self_attn``, :class:`MLASpec`); V3.2 adds an
+indexer cache per layer (``model.layers.N.self_attn.indexer``, :class:`IndexerSpec`), its own group.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from warmcap.core.kv_spec import IndexerSpec, KVSpec, MLASpec
+from warmcap.errors import ModelLoadError
+from warmcap.models.layers import GatedMLP, RMSNorm
+from warmcap.models.mla import MLAAttention
+from warmcap.models.moe import DeepseekMoE, stacked_expert_target
+from warmcap.models.rope import RotaryEmbedding
+from warmcap.runner_v2.attention.base import ForwardContext
+from warmcap.runner_v2.attention.mla import TorchMLABackend
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+
+def is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` uses the MoE block (V3.2 configs may list ``mlp_layer_types``)."""
+    kinds = getattr(hf_config, "mlp_layer_types", None)
+    if kinds is not None:
+        return kinds[layer_idx] == "sparse"
+    return layer_idx >= (hf_config.first_k_dense_replace or 0)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, backend: TorchMLABackend) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn = MLAAttention(hf_config, layer_idx, backend)
+        self.mlp: nn.Module
+        if is_moe_layer(hf_config, layer_idx):
+            self.mlp = DeepseekMoE(hf_config)
+        else:
+            self.mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, hf_config: Any, backend: TorchMLABackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(hf_config, i, backend) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 causal LM whose MLA layers run through the paged latent cache.
+
+    ``mla_backend`` is shared by every layer; swap it (e.g. a GPU kernel) by assigning
+    ``model.mla_backend.<attr>`` or passing ``mla_backend=`` at construction.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        dtype: torch.dtype = torch.float32,
+        mla_backend: TorchMLABackend | None = None,
+    ) -> None:
+        super().__init__()
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        if kv_heads != hf_config.num_attention_heads:
+            raise ModelLoadError(
+                f"MLA needs num_key_value_heads == num_attention_heads; got {hf_config.num_key_value_heads} "
+                f"and {hf_config.num_attention_heads}: fix config.json"
+            )
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.mla_backend = mla_backend or TorchMLABackend()
+        self.model = DeepseekModel(hf_config, self.mla_backend)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_weights()
+        self.rotary = RotaryEmbedding.from_config(hf_config, hf_config.qk_rope_head_dim)
+        self.to(dtype)
+        for module in self.modules():
+            if isinstance(module, DeepseekMoE):
+                # Routing stays in float32 whatever the activation dtype (ties flip otherwise).
+                module.gate.float()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config ties them."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[T] ids and positions -> final-normed hidden states [T, hidden]; aux hidden states as
+        in :meth:`warmcap.models.llama.LlamaForCausalLM.forward`."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        wanted = ctx.aux_hidden_state_layers
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                captured[i] = h
+            h = layer(h, cos, sin, ctx)
+        if len(self.model.layers) in wanted:
+            captured[len(self.model.layers)] = h
+        ctx.aux_hidden_states.extend(captured[i] for i in wanted)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def kv_layer_specs(self, block_size: int) -> dict[str, KVSpec]:
+        """An MLA spec per layer, plus an indexer spec per layer when the model is sparse (V3.2)."""
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        cfg = self.hf_config
+        specs: dict[str, KVSpec] = {}
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            specs[attn.layer_name] = MLASpec(
+                block_size, dtype_bytes, kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim
+            )
+            if attn.indexer is not None:
+                specs[attn.indexer.layer_name] = IndexerSpec(
+                    block_size, dtype_bytes, head_size=cfg.index_head_dim
+                )
+        return specs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; per-expert tensors go into the stacked expert parameters.
+        Every parameter (every expert row) must be given; raises ModelLoadError naming the weight."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        expert_rows: dict[str, set[int]] = {}
+        with torch.no_grad():
+            for name, tensor in weights:
+                layer = _LAYER_INDEX.match(name)
+                if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (
+                    layer is not None and int(layer[1]) >= len(self.model.layers)
+                ):
+                    continue
+                target, row = name, None
+                stacked = stacked_expert_target(name)
+                if stacked is not None:
+                    target, row = stacked
+                param = params.get(target)
+                if param is None:
+                    raise ModelLoadError(
+                        f"unexpected weight {name!r}: {type(self).__name__} has no such parameter; "
+                        "check that config.json's architectures matches the checkpoint"
+                    )
+                dest = param if row is None else param[row]
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ModelLoadError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
+                        f"{tuple(dest.shape)}; the checkpoint does not match config.json"
+                    )
+                dest.copy_(tensor.to(dtype=param.dtype))
+                if row is None:
+                    loaded.add(target)
+                else:
+                    expert_rows.setdefault(target, set()).add(row)
+        for target, rows in expert_rows.items():
+            if len(rows) == params[target].shape[0]:
+                loaded.add(target)
+        if self.tie_word_embeddings:
+            if "lm_head.weight" in loaded and "model.embed_tokens.weight" not in loaded:
+                loaded.add("model.embed_tokens.weight")
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint lacks weight(s) {shown}; the checkpoint is incomplete")
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with a lightning indexer per layer (config ``index_topk``, ``index_n_heads``,
+    ``index_head_dim``) restricting MLA to the top-k context tokens of each query."""

@@ -1,0 +1,181 @@
+"""Bamba: a Mamba2 + attention hybrid (transformers ``BambaForCausalLM`` layout).
+
+Layer i is attention when ``i in attn_layer_indices`` (HF ``layers_block_type``), else a Mamba2
+mixer; every layer then has a gated MLP (``feed_forward``). Attention is the Llama path with partial
+RoPE (HF Bamba rotates the first ``partial_rotary_factor`` (0.5) of each head). Mamba layers keep
+their state in a Mamba KV group (layer name ``model.layers.N.mamba``); the cache mode and the
+number of speculative state slots come from the engine, see :meth:`BambaForCausalLM.kv_layer_specs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, MambaSpec
+from warmcap.errors import ModelLoadError
+from warmcap.models.layers import GatedMLP, RMSNorm
+from warmcap.models.llama import ArchTraits, LlamaAttention, LlamaForCausalLM
+from warmcap.models.mamba2 import Mamba2Mixer
+from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
+from warmcap.runner_v2.attention.base import ForwardContext
+
+
+def rotary_dim_of(hf_config: Any, head_dim: int) -> int:
+    """Rotated dims per head: ``head_dim * partial_rotary_factor`` (HF Bamba hardcodes 0.5)."""
+    return int(head_dim * rope_parameters(hf_config).get("partial_rotary_factor", 1.0))
+
+
+class PartialRopeAttention(LlamaAttention):
+    """Llama attention whose RoPE covers only the first ``rotary_dim`` dims of each head."""
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t, rot = x.shape[0], cos.shape[-1]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = torch.cat((apply_rope(q[..., :rot], cos, sin), q[..., rot:]), dim=-1)
+        k = torch.cat((apply_rope(k[..., :rot], cos, sin), k[..., rot:]), dim=-1)
+        out = ctx.attention(self.layer_name, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class BambaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, is_attention: bool) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn: PartialRopeAttention | None = None
+        self.mamba: Mamba2Mixer | None = None
+        if is_attention:
+            self.self_attn = PartialRopeAttention(hf_config, layer_idx, ArchTraits())
+        else:
+            self.mamba = Mamba2Mixer(hf_config, f"model.layers.{layer_idx}.mamba")
+        self.feed_forward = GatedMLP(
+            hidden,
+            hf_config.intermediate_size,
+            hf_config.hidden_act,
+            bias=bool(getattr(hf_config, "mlp_bias", False)),
+        )
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.pre_ff_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        normed = self.input_layernorm(h)
+        if self.self_attn is not None:
+            h = h + self.self_attn(normed, cos, sin, ctx)
+        elif self.mamba is not None:
+            h = h + self.mamba(normed, ctx)
+        return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+
+class BambaModel(nn.Module):
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        attention = set(hf_config.attn_layer_indices or ())
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            BambaDecoderLayer(hf_config, i, i in attention) for i in range(hf_config.num_hidden_layers)
+        )
+        self.final_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+class BambaForCausalLM(nn.Module):
+    """Bamba hybrid causal LM: attention through ``ctx.attention``, Mamba2 state through its group's
+    :class:`~warmcap.runner_v2.mamba_state.MambaMetadata`."""
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.model = BambaModel(hf_config)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_weights()
+        head_dim = (
+            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        params = rope_parameters(hf_config)
+        if params["rope_type"] != "default":
+            raise ModelLoadError(
+                f"Bamba rope_type {params['rope_type']!r} is not supported; only 'default' is"
+            )
+        rot = rotary_dim_of(hf_config, head_dim)
+        # NOTE: built on CPU explicitly: models are constructed under ``torch.device("meta")``.
+        exponents = torch.arange(0, rot, 2, device="cpu").to(torch.float32) / rot
+        inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
+        self.rotary = RotaryEmbedding(rot, "default", float(params["rope_theta"]), inv_freq)
+        self.to(dtype)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config ties them."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[T] ids and positions -> final-normed hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        wanted = ctx.aux_hidden_state_layers
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                captured[i] = h
+            h = layer(h, cos, sin, ctx)
+        if len(self.model.layers) in wanted:
+            captured[len(self.model.layers)] = h
+        ctx.aux_hidden_states.extend(captured[i] for i in wanted)
+        return self.model.final_layernorm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def kv_layer_specs(
+        self,
+        block_size: int,
+        *,
+        mamba_cache_mode: str = "none",
+        num_speculative_blocks: int = 0,
+        mamba_block_size: int | None = None,
+    ) -> dict[str, KVSpec]:
+        """Full-attention specs for attention layers and Mamba specs for mixers.
+
+        ``mamba_block_size`` defaults to ``block_size``; ``num_speculative_blocks`` is the number of
+        draft tokens k (1 + k state slots per request).
+        """
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        specs: dict[str, KVSpec] = {}
+        for layer in self.model.layers:
+            if layer.self_attn is not None:
+                attn = layer.self_attn
+                specs[attn.layer_name] = FullAttentionSpec(
+                    block_size, dtype_bytes, num_kv_heads=attn.num_kv_heads, head_size=attn.head_dim
+                )
+            elif layer.mamba is not None:
+                specs[layer.mamba.layer_name] = MambaSpec(
+                    mamba_block_size or block_size,
+                    dtype_bytes,
+                    state_shapes=layer.mamba.state_shapes,
+                    cache_mode=mamba_cache_mode,
+                    num_speculative_blocks=num_speculative_blocks,
+                )
+        return specs
+
+    # Same checkpoint contract as the Llama family: plain one-to-one names.
+    load_weights = LlamaForCausalLM.load_weights

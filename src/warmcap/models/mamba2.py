@@ -1,0 +1,187 @@
+"""Mamba2 mixer in plain torch over paged per-request states (no mamba_ssm / causal_conv1d kernels).
+
+Per row of the step: the conv window and SSM state are read from ``read_blocks`` (or start at zero),
+the row's tokens run through the causal depthwise conv and the SSD recurrence, and the states
+reached after the tokens named in ``write_blocks`` are stored there (see
+:mod:`warmcap.runner_v2.mamba_state`). Long spans use the chunked SSD form; the span is cut at every
+token whose state is written, so single-token spans (decode, spec verify) take the one-step update.
+
+State shapes per layer: conv ``(conv_dim, d_conv - 1)`` (the last inputs, oldest first) and SSM
+``(num_heads, head_dim, d_state)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from warmcap.models.layers import activation
+from warmcap.runner_v2.attention.base import ForwardContext
+from warmcap.runner_v2.mamba_state import MambaMetadata, state_views
+
+
+def ssm_step(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: state [H, P, N], x [H, P], dt [H], a [H], b/c [H, N] -> (y [H, P], new state)."""
+    state = state * torch.exp(dt * a)[:, None, None] + (dt[:, None] * x)[:, :, None] * b[:, None, :]
+    return torch.einsum("hpn,hn->hp", state, c), state
+
+
+def ssd_scan(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L tokens in chunks: state [H, P, N], x [L, H, P], dt [L, H], a [H], b/c [L, H, N]
+    -> (y [L, H, P], final state). Within a chunk the output is the masked quadratic (attention-like)
+    form; between chunks the state carries over, decayed by the chunk's total ``exp(sum dt * a)``."""
+    outputs = []
+    for start in range(0, x.shape[0], chunk_size):
+        xs, dts = x[start : start + chunk_size], dt[start : start + chunk_size]
+        bs, cs = b[start : start + chunk_size], c[start : start + chunk_size]
+        log_decay = torch.cumsum(dts * a, dim=0)  # [l, H]: log decay from the chunk start to token t
+        diff = log_decay[:, None, :] - log_decay[None, :, :]  # [t, s, H]
+        causal = torch.ones(diff.shape[:2], dtype=torch.bool, device=x.device).tril()
+        weights = torch.exp(diff.masked_fill(~causal[:, :, None], float("-inf")))
+        scores = torch.einsum("thn,shn->tsh", cs, bs) * weights
+        y = torch.einsum("tsh,sh,shp->thp", scores, dts, xs)
+        y = y + torch.einsum("thn,hpn->thp", cs, state) * torch.exp(log_decay)[:, :, None]
+        to_end = torch.exp(log_decay[-1:] - log_decay)  # [l, H]: decay from token s to the chunk end
+        state = state * torch.exp(log_decay[-1])[:, None, None] + torch.einsum(
+            "sh,shp,shn->hpn", to_end * dts, xs, bs
+        )
+        outputs.append(y)
+    return torch.cat(outputs), state
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """``rmsnorm(y * silu(gate))`` with the norm taken over each of ``groups`` equal slices."""
+
+    def __init__(self, size: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups = groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(gate.float())
+        h = h.view(*h.shape[:-1], self.groups, -1)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """HF Mamba2 mixer weights (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``,
+    ``out_proj``); Bamba's ``mamba_*`` config fields."""
+
+    def __init__(self, hf_config: Any, layer_name: str) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.mamba_n_heads
+        self.head_dim = hf_config.mamba_d_head
+        self.n_groups = hf_config.mamba_n_groups
+        self.d_state = hf_config.mamba_d_state
+        self.d_conv = hf_config.mamba_d_conv
+        self.chunk_size = hf_config.mamba_chunk_size
+        self.inner = hf_config.mamba_expand * hidden
+        self.conv_dim = self.inner + 2 * self.n_groups * self.d_state
+        self.dt_limit = tuple(getattr(hf_config, "time_step_limit", None) or (0.0, float("inf")))
+        self.act = activation(hf_config.hidden_act)
+        bias = bool(getattr(hf_config, "mamba_proj_bias", False))
+        self.in_proj = nn.Linear(hidden, self.inner + self.conv_dim + self.num_heads, bias=bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            self.d_conv,
+            groups=self.conv_dim,
+            bias=bool(getattr(hf_config, "mamba_conv_bias", True)),
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm = GatedGroupRMSNorm(self.inner, self.n_groups, hf_config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.inner, hidden, bias=bias)
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv window, SSM state) shapes of one request's state."""
+        return (self.conv_dim, self.d_conv - 1), (self.num_heads, self.head_dim, self.d_state)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta = ctx.attn_metadata[ctx.layer_to_group[self.layer_name]]
+        if not isinstance(meta, MambaMetadata) or meta.read_blocks is None or meta.write_blocks is None:
+            raise TypeError(f"{self.layer_name} needs MambaMetadata with read/write blocks for its group")
+        conv_states, ssm_states = state_views(ctx.kv_caches[self.layer_name], self.state_shapes)
+        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
+        a = -torch.exp(self.A_log.float())
+        qsl = (
+            meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc
+        ).tolist()
+        reads, writes = meta.read_blocks.tolist(), meta.write_blocks.tolist()
+        y = torch.zeros(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        stores: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # NOTE: every row reads its state before any row's state is stored: a row may write the very
+        # block it read (mode none), and stores must not leak into another row's read.
+        for row in range(meta.num_reqs):
+            lo, hi = qsl[row], qsl[row + 1]
+            if hi == lo:
+                continue
+            if reads[row] >= 0:
+                conv0, ssm0 = conv_states[reads[row]].float(), ssm_states[reads[row]].float()
+            else:
+                conv0 = x.new_zeros(self.state_shapes[0], dtype=torch.float32)
+                ssm0 = x.new_zeros(self.state_shapes[1], dtype=torch.float32)
+            out, row_stores = self._run_row(xbc[lo:hi], dt[lo:hi], a, conv0, ssm0, writes[lo:hi])
+            y[lo:hi] = out
+            stores.extend(row_stores)
+        for block, conv, ssm in stores:
+            conv_states[block] = conv.to(conv_states.dtype)
+            ssm_states[block] = ssm.to(ssm_states.dtype)
+        return self.out_proj(self.norm(y.flatten(1).to(x.dtype), gate))
+
+    def _run_row(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        conv0: torch.Tensor,
+        ssm0: torch.Tensor,
+        writes: list[int],
+    ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]]]:
+        length, width = xbc.shape[0], self.d_conv - 1
+        window = torch.cat((conv0.T, xbc.float()), dim=0)  # [width + L, conv_dim]
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        conv = F.conv1d(window.T[None], self.conv1d.weight.float(), bias, groups=self.conv_dim)
+        xbc = self.act(conv[0].T)  # [L, conv_dim]
+        xs, b, c = xbc.split([self.inner, self.n_groups * self.d_state, self.n_groups * self.d_state], dim=-1)
+        per_group = self.num_heads // self.n_groups
+        xs = xs.reshape(length, self.num_heads, self.head_dim)
+        b = b.reshape(length, self.n_groups, self.d_state).repeat_interleave(per_group, dim=1)
+        c = c.reshape(length, self.n_groups, self.d_state).repeat_interleave(per_group, dim=1)
+        cuts = sorted({i + 1 for i, block in enumerate(writes) if block >= 0} | {length})
+        state, start, outs, stores = ssm0, 0, [], []
+        for end in cuts:
+            if end - start == 1:
+                y, state = ssm_step(state, xs[start], dt[start], a, b[start], c[start])
+                y = y[None]
+            else:
+                y, state = ssd_scan(
+                    state, xs[start:end], dt[start:end], a, b[start:end], c[start:end], self.chunk_size
+                )
+            outs.append(y)
+            if writes[end - 1] >= 0:
+                stores.append((writes[end - 1], window[end : end + width].T.clone(), state))
+            start = end
+        y = torch.cat(outs) + xs * self.D.float()[:, None]
+        return y, stores

@@ -1,0 +1,183 @@
+"""Paged multi-head latent attention (DeepSeek-V2/V3 MLA) in plain torch, over the latent cache.
+
+Cache layout per MLA layer: ``[num_blocks + 1, block_size, kv_lora_rank + qk_rope_head_dim]``; each
+token stores its normed latent ``c_kv`` followed by its rotated shared rope key ``k_pe``. The last
+block is the sink for PAD writes (see :mod:`warmcap.runner_v2.attention.base`).
+
+Two equivalent ways to attend:
+- *decompressed* (prefill): every context latent is expanded to per-head keys and values through
+  ``kv_b_proj`` (``W_UK``, ``W_UV``) and ordinary attention runs over them;
+- *absorbed* (decode): ``W_UK`` is folded into the query, attention runs directly over the latents,
+  and ``W_UV`` is applied to the latent-space output. Cheaper when queries are few.
+
+Rows whose query length is at most ``absorbed_max_query_len`` take the absorbed path.
+
+The token/context helpers here (:func:`write_slots`, :func:`gather_context`, :func:`query_layout`)
+are shared by the sparse-MLA indexer, which keeps its own cache in its own KV group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from warmcap.runner_v2.attention.base import AttentionMetadata
+
+
+def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``values`` [T, D] into ``cache`` [num_blocks + 1, block_size, D] at ``slot_mapping``;
+    PAD (-1) slots land in the sink block (index ``num_blocks``)."""
+    num_blocks_with_sink, block_size, dim = cache.shape
+    sink = (num_blocks_with_sink - 1) * block_size
+    slots = slot_mapping[: values.shape[0]]
+    slots = torch.where(slots < 0, torch.full_like(slots, sink), slots)
+    cache.view(-1, dim).index_copy_(0, slots, values.to(cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's cached vectors for positions ``0 .. max_seq_len - 1``.
+
+    Returns ``(values [R, S, D], valid [R, S])`` with ``S = meta.max_seq_len``; ``valid`` is False past
+    a row's ``seq_len`` (those entries read an arbitrary block and must be masked by the caller).
+    """
+    _, block_size, dim = cache.shape
+    rows, width = meta.block_table.shape
+    pos = torch.arange(meta.max_seq_len, device=cache.device)
+    cols = (pos // block_size).clamp(max=width - 1)
+    blocks = meta.block_table[:, cols].to(torch.int64)
+    slots = blocks * block_size + (pos % block_size)[None, :]
+    values = cache.view(-1, dim).index_select(0, slots.reshape(-1)).view(rows, meta.max_seq_len, dim)
+    valid = pos[None, :] < meta.seq_lens[:, None].to(torch.int64)
+    return values, valid
+
+
+def query_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the step's tokens: its row and its position in the row's sequence.
+
+    Tokens of padded rows get a negative position, so no context position is visible to them.
+    """
+    qsl = meta.query_start_loc.to(torch.int64)
+    tokens = torch.arange(meta.num_tokens, device=qsl.device)
+    rows = torch.searchsorted(qsl[1 : meta.num_reqs + 1], tokens, right=True).clamp(max=meta.num_reqs - 1)
+    ends = qsl[rows + 1]
+    positions = meta.seq_lens.to(torch.int64)[rows] - (ends - tokens)
+    return rows, positions
+
+
+def visible_mask(
+    rows: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, allowed: torch.Tensor | None
+) -> torch.Tensor:
+    """[t, S] bool: context position s is visible to token i (causal, within its row's sequence,
+    and selected by ``allowed`` when given)."""
+    ctx_pos = torch.arange(valid.shape[1], device=valid.device)
+    mask = valid[rows] & (ctx_pos[None, :] <= positions[:, None])
+    if allowed is not None:
+        mask &= allowed
+    return mask
+
+
+@dataclass(frozen=True, slots=True)
+class MLAWeights:
+    """The per-head halves of ``kv_b_proj``: ``w_uk`` [H, Dn, R] and ``w_uv`` [H, Dv, R]."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    @classmethod
+    def from_kv_b_proj(cls, weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> MLAWeights:
+        """Split ``kv_b_proj.weight`` [H * (Dn + Dv), R] into ``W_UK`` and ``W_UV``."""
+        per_head = weight.view(num_heads, -1, weight.shape[-1])
+        return cls(per_head[:, :qk_nope_head_dim], per_head[:, qk_nope_head_dim:])
+
+
+class TorchMLABackend:
+    """Paged MLA over the latent cache, in plain torch (the CPU reference; graph-safe writes)."""
+
+    name = "torch_mla"
+
+    def __init__(self, absorbed_max_query_len: int = 1) -> None:
+        self.absorbed_max_query_len = absorbed_max_query_len
+
+    def forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        weights: MLAWeights,
+        *,
+        scale: float,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q_nope [T, H, Dn], q_pe [T, H, Dr] (rotated), latent [T, R + Dr] (normed c_kv, rotated
+        k_pe) -> [T, H, Dv]. Writes ``latent`` into ``kv_cache`` first.
+
+        ``allowed`` [T, max_seq_len] bool restricts each query to selected context positions
+        (sparse MLA); causality and sequence bounds are always applied on top.
+        """
+        write_slots(kv_cache, latent, meta.slot_mapping)
+        num_tokens = q_nope.shape[0]
+        out = q_nope.new_zeros(num_tokens, q_nope.shape[1], weights.w_uv.shape[1])
+        if meta.num_reqs == 0 or meta.max_seq_len == 0:
+            return out
+        context, valid = gather_context(kv_cache, meta)
+        rows, positions = query_layout(meta)
+        qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.cpu()
+        query_lens = (qsl[1 : meta.num_reqs + 1] - qsl[: meta.num_reqs]).to(torch.int64)
+        absorbed_rows = query_lens <= self.absorbed_max_query_len
+        absorbed_tok = absorbed_rows.repeat_interleave(query_lens, output_size=int(qsl[meta.num_reqs]))
+        absorbed_tok = torch.nn.functional.pad(absorbed_tok, (0, num_tokens - absorbed_tok.shape[0]))
+        for absorbed in (True, False):
+            idx = torch.nonzero(absorbed_tok == absorbed).flatten().to(q_nope.device)
+            if idx.numel() == 0:
+                continue
+            mask = visible_mask(rows[idx], positions[idx], valid, None if allowed is None else allowed[idx])
+            attend = _attend_absorbed if absorbed else _attend_decompressed
+            res = attend(q_nope[idx], q_pe[idx], context, rows[idx], mask, weights, scale)
+            out.index_copy_(0, idx, res.to(out.dtype))
+        return out
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked softmax over the last dim of [t, H, S]; a query that sees nothing gets all zeros."""
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+
+
+def _attend_decompressed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    context: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    weights: MLAWeights,
+    scale: float,
+) -> torch.Tensor:
+    rank = weights.w_uk.shape[-1]
+    c_kv, k_pe = context[..., :rank].float(), context[..., rank:].float()
+    k_nope = torch.einsum("rsc,hdc->rshd", c_kv, weights.w_uk.float())
+    value = torch.einsum("rsc,hvc->rshv", c_kv, weights.w_uv.float())
+    scores = torch.einsum("thd,tshd->ths", q_nope.float(), k_nope[rows])
+    scores += torch.einsum("thd,tsd->ths", q_pe.float(), k_pe[rows])
+    probs = _softmax(scores * scale, mask)
+    return torch.einsum("ths,tshv->thv", probs, value[rows])
+
+
+def _attend_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    context: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    weights: MLAWeights,
+    scale: float,
+) -> torch.Tensor:
+    rank = weights.w_uk.shape[-1]
+    c_kv, k_pe = context[rows, :, :rank].float(), context[rows, :, rank:].float()
+    q_latent = torch.einsum("thd,hdc->thc", q_nope.float(), weights.w_uk.float())
+    scores = torch.einsum("thc,tsc->ths", q_latent, c_kv) + torch.einsum("thd,tsd->ths", q_pe.float(), k_pe)
+    probs = _softmax(scores * scale, mask)
+    out_latent = torch.einsum("ths,tsc->thc", probs, c_kv)
+    return torch.einsum("thc,hvc->thv", out_latent, weights.w_uv.float())
