@@ -1,0 +1,1 @@
+"""Model code over the runner's paged attention: loader, registry, Llama family, presets."""

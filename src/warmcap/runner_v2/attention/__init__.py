@@ -1,0 +1,1 @@
+"""Attention backends behind the :mod:`warmcap.runner_v2.attention.base` contract."""

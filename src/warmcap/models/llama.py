@@ -1,0 +1,242 @@
+"""The Llama family over the runner's paged attention: Llama, Mistral, Qwen2, Qwen3.
+
+Module names mirror transformers (``model.layers.N.self_attn.q_proj`` ...) so checkpoint names load
+one-to-one. Members differ only in traits: q/k/v(/o) biases, per-head q/k RMSNorm (Qwen3) and
+sliding-window layers (Mistral ``sliding_window``; Qwen ``layer_types``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
+from warmcap.errors import ModelLoadError
+from warmcap.models.layers import GatedMLP, RMSNorm
+from warmcap.models.rope import RotaryEmbedding, apply_rope
+from warmcap.runner_v2.attention.base import ForwardContext
+
+#: checkpoint entries that carry no weights of ours (recomputed buffers)
+IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchTraits:
+    """What distinguishes one family member from another."""
+
+    #: bias on q/k/v only (Qwen2); otherwise ``config.attention_bias`` sets q/k/v/o bias
+    qkv_bias_only: bool = False
+    #: per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool = False
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """The attention head size: ``head_dim`` when the config sets it, else hidden / heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
+    """The layer's window, or None for full attention.
+
+    ``layer_types`` (Qwen2/3, transformers >= 4.53) decides per layer when present; otherwise a set
+    ``sliding_window`` applies to every layer (Mistral).
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window or None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, traits: ArchTraits) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.scale = self.head_dim**-0.5
+        self.layer_name = f"model.layers.{layer_idx}.self_attn"
+        self.sliding_window = sliding_window_of(hf_config, layer_idx)
+        qkv_bias = traits.qkv_bias_only or bool(getattr(hf_config, "attention_bias", False))
+        o_bias = not traits.qkv_bias_only and bool(getattr(hf_config, "attention_bias", False))
+        hidden = hf_config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if traits.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attention(self.layer_name, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, traits: ArchTraits) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.self_attn = LlamaAttention(hf_config, layer_idx, traits)
+        self.mlp = GatedMLP(
+            hf_config.hidden_size,
+            hf_config.intermediate_size,
+            hf_config.hidden_act,
+            bias=bool(getattr(hf_config, "mlp_bias", False)),
+        )
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, traits: ArchTraits) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, i, traits) for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose attention runs through :class:`ForwardContext`."""
+
+    traits: ClassVar[ArchTraits] = ArchTraits()
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, self.traits)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_weights()
+        self.rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+        self.to(dtype)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config ties them."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[T] ids and positions -> final-normed hidden states [T, hidden].
+
+        ``ctx.aux_hidden_state_layers`` (EAGLE-3): for each listed index i, in the listed order, the
+        residual stream *entering* layer i (the output of layer i-1; index 0 is the embeddings and
+        ``num_hidden_layers`` the last layer's output before the final norm) is appended to
+        ``ctx.aux_hidden_states``. This equals transformers' ``hidden_states[i]`` for i < L.
+        """
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        wanted = ctx.aux_hidden_state_layers
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in wanted:
+                captured[i] = h
+            h = layer(h, cos, sin, ctx)
+        if len(self.model.layers) in wanted:
+            captured[len(self.model.layers)] = h
+        ctx.aux_hidden_states.extend(captured[i] for i in wanted)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def kv_layer_specs(self, block_size: int) -> dict[str, KVSpec]:
+        """One spec per attention layer, keyed by the layer name the model passes to attention."""
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        specs: dict[str, KVSpec] = {}
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            common = {
+                "block_size": block_size,
+                "dtype_bytes": dtype_bytes,
+                "num_kv_heads": attn.num_kv_heads,
+                "head_size": attn.head_dim,
+            }
+            if attn.sliding_window is not None:
+                specs[attn.layer_name] = SlidingWindowSpec(**common, sliding_window=attn.sliding_window)
+            else:
+                specs[attn.layer_name] = FullAttentionSpec(**common)
+        return specs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters; every parameter must be given exactly once
+        (the LM head may be absent when tied). Raises ModelLoadError naming the weight."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+                    continue
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(
+                        f"unexpected weight {name!r}: {type(self).__name__} has no such parameter; "
+                        "check that config.json's architectures matches the checkpoint"
+                    )
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ModelLoadError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
+                        f"{tuple(param.shape)}; the checkpoint does not match config.json"
+                    )
+                param.copy_(tensor.to(dtype=param.dtype))
+                loaded.add(name)
+        if self.tie_word_embeddings:
+            # Tied: the head is the embedding, whichever of the two names the checkpoint stored.
+            if "lm_head.weight" in loaded and "model.embed_tokens.weight" not in loaded:
+                loaded.add("model.embed_tokens.weight")
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint lacks weight(s) {shown}; the checkpoint is incomplete")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with (optional) sliding-window attention in every layer."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: bias on q/k/v projections."""
+
+    traits: ClassVar[ArchTraits] = ArchTraits(qkv_bias_only=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on q and k, bias per ``attention_bias``."""
+
+    traits: ClassVar[ArchTraits] = ArchTraits(qk_norm=True)

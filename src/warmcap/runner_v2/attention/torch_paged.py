@@ -1,0 +1,234 @@
+"""Pure-torch paged attention: the reference backend on CPU and the fallback on GPU.
+
+One step's metadata is turned once into a :class:`StepPlan` (gather indices, query padding, masks);
+every layer of that step reuses it. Plans are cached by metadata object and re-derived when any of
+its tensors was replaced or written in place (tensor identity + version counter), so the runner need
+not call anything per step; it may call :meth:`TorchPagedAttention.plan` to build plans up front.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata
+
+_MAX_CACHED_PLANS = 8
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] through ``slot_mapping`` [T]; PAD (-1) goes to the sink block.
+
+    NOTE: ``kv_cache`` is ``[2, num_blocks + 1, block_size, Hkv, D]``; the last block is the sink.
+    ``torch.where`` instead of boolean indexing keeps the write static-shape (graph-safe).
+    """
+    t = k.shape[0]
+    _, blocks, block_size, heads, dim = kv_cache.shape
+    sink = (blocks - 1) * block_size
+    slots = slot_mapping[:t]
+    slots = torch.where(slots >= 0, slots, torch.full_like(slots, sink))
+    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def token_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token: (row, index within the row's query span, valid).
+
+    A token is valid when it belongs to a row and its position ``seq_len - query_len + index`` is
+    not negative; padded tokens (rows with ``seq_len`` 0) are not.
+    """
+    r = meta.num_reqs
+    qsl = meta.query_start_loc[: r + 1].long()
+    seq = meta.seq_lens[:r].long()
+    t = torch.arange(num_tokens, device=qsl.device)
+    row = torch.searchsorted(qsl[1:], t, right=True).clamp(max=max(r - 1, 0))
+    index = t - qsl[row]
+    qlen = qsl[1:] - qsl[:-1]
+    position = seq[row] - qlen[row] + index
+    valid = (position >= 0) & (t < qsl[r])
+    return row, index, valid
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(slots=True)
+class MetaStamp:
+    """Recognises metadata that is unchanged since a plan was derived from it.
+
+    Same tensor objects and scalars, and not written since: by version counter when the tensors track
+    one; inference-mode tensors do not, so their contents are compared instead (a host sync on GPU,
+    which is why a graph capture trusts the plans it derived itself).
+    """
+
+    scalars: tuple[int, ...]
+    ids: tuple[int, ...]
+    versions: tuple[int, ...] | None
+    contents: tuple[torch.Tensor, ...] | None
+
+    @staticmethod
+    def _parts(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        return (meta.query_start_loc, meta.seq_lens, meta.block_table)
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> MetaStamp:
+        parts = cls._parts(meta)
+        scalars = (meta.num_tokens, meta.num_reqs, meta.max_query_len, meta.max_seq_len, meta.block_size)
+        ids = tuple(id(x) for x in parts)
+        if any(x.is_inference() for x in parts):
+            return cls(scalars, ids, None, tuple(x.clone() for x in parts))
+        return cls(scalars, ids, tuple(x._version for x in parts), None)
+
+    def matches(self, meta: AttentionMetadata) -> bool:
+        now = MetaStamp.of(meta)
+        if (now.scalars, now.ids) != (self.scalars, self.ids):
+            return False
+        if _capturing():
+            return True
+        if self.versions is not None and now.versions is not None:
+            return self.versions == now.versions
+        if self.contents is None or now.contents is None:
+            return False
+        return all(torch.equal(a, b) for a, b in zip(self.contents, now.contents, strict=True))
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Metadata-derived tensors shared by every layer of one step (one KV group)."""
+
+    meta: AttentionMetadata
+    stamp: MetaStamp
+    max_query_len: int
+    #: [R * C] block ids whose pages, concatenated, hold each row's keys 0 .. C*bs - 1
+    blocks: torch.Tensor
+    #: [R * Q] token feeding each padded query slot (clamped; invalid slots masked out)
+    query_index: torch.Tensor
+    #: [T] padded query slot of each token
+    out_index: torch.Tensor
+    #: [T, 1, 1] the token's output is real (else zero)
+    token_valid: torch.Tensor
+    #: [R, Q, 1] position of each padded query slot, -1 for slots past the row's query length
+    query_pos: torch.Tensor
+    key_pos: torch.Tensor
+    masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None, group: int) -> torch.Tensor:
+        """[R, 1, G*Q, K] bool: causal, inside the window, at least one true entry per row."""
+        cached = self.masks.get((window, group))
+        if cached is not None:
+            return cached
+        allowed = self.key_pos <= self.query_pos
+        if window is not None:
+            allowed = allowed & (self.key_pos > self.query_pos - window)
+        # NOTE: a query with no visible key (padding) would give NaN from softmax; let it see key 0
+        # instead and drop its output later (padded slots are never scattered, padded tokens zeroed).
+        empty = ~allowed.any(dim=-1, keepdim=True)
+        allowed = allowed | (empty & (self.key_pos == 0))
+        r, q, k = allowed.shape
+        mask = allowed[:, None].expand(r, group, q, k).reshape(r, 1, group * q, k)
+        self.masks[(window, group)] = mask
+        return mask
+
+
+def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
+    """Derive the step's gather indices and masks from ``meta`` with tensor ops only."""
+    r, bs, q = meta.num_reqs, meta.block_size, max(meta.max_query_len, 1)
+    # Columns up to the one holding the last position any row can have (position -> column).
+    cols = min(meta.block_table.shape[1], (max(meta.max_seq_len, 1) - 1) // bs + 1)
+    device = meta.block_table.device
+    qsl = meta.query_start_loc[: r + 1].long()
+    seq = meta.seq_lens[:r].long()
+    qlen = qsl[1:] - qsl[:-1]
+    i = torch.arange(q, device=device)
+    in_span = i[None, :] < qlen[:, None]
+    query_pos = torch.where(in_span, seq[:, None] - qlen[:, None] + i[None, :], -1)
+    query_index = (qsl[:-1, None] + i[None, :]).clamp(max=max(num_tokens - 1, 0)).reshape(-1)
+    row, index, valid = token_rows(meta, num_tokens)
+    out_index = (row * q + index.clamp(min=0, max=q - 1)).reshape(-1)
+    return StepPlan(
+        meta=meta,
+        stamp=MetaStamp.of(meta),
+        max_query_len=q,
+        blocks=meta.block_table[:r, :cols].long().reshape(-1),
+        query_index=query_index,
+        out_index=out_index,
+        token_valid=valid[:, None, None],
+        query_pos=query_pos[:, :, None],
+        key_pos=torch.arange(cols * bs, device=device)[None, None, :],
+    )
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Paged attention vectorised over requests: gather each row's pages, one masked SDPA call.
+
+    Handles mixed prefill / decode / spec-verify rows, GQA and sliding windows. Padded rows
+    (``seq_len`` 0) give zeros and never influence real rows.
+    """
+
+    name = "torch"
+    supports_full_graph = True
+
+    def __init__(self) -> None:
+        self._plans: OrderedDict[int, StepPlan] = OrderedDict()
+
+    def plan(self, metas: dict[str, AttentionMetadata]) -> None:
+        """Optionally derive every group's plan up front (forward does it lazily otherwise)."""
+        for meta in metas.values():
+            self._plan_for(meta, meta.num_tokens)
+
+    def prepare_for_capture(self, metas: dict[str, AttentionMetadata]) -> None:
+        # Plans must be derived inside the recorded region so replays recompute them from the
+        # refilled static buffers.
+        self._plans.clear()
+
+    def prepare_for_replay(self, metas: dict[str, AttentionMetadata]) -> None:
+        self._plans.clear()
+
+    def _plan_for(self, meta: AttentionMetadata, num_tokens: int) -> StepPlan:
+        plan = self._plans.get(id(meta))
+        if plan is not None and plan.meta is meta and plan.stamp.matches(meta):
+            return plan
+        plan = build_plan(meta, num_tokens)
+        self._plans[id(meta)] = plan
+        self._plans.move_to_end(id(meta))
+        while len(self._plans) > _MAX_CACHED_PLANS:
+            self._plans.popitem(last=False)
+        return plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        t, hq, d = q.shape
+        if t == 0 or meta.num_reqs == 0:
+            return torch.zeros_like(q)
+        plan = self._plan_for(meta, t)
+        r, qmax = meta.num_reqs, plan.max_query_len
+        hkv = kv_cache.shape[3]
+        group = hq // hkv
+        # [R, Hkv, K, D]: each row's pages laid end to end.
+        keys = kv_cache[0].index_select(0, plan.blocks).view(r, -1, hkv, d).transpose(1, 2)
+        values = kv_cache[1].index_select(0, plan.blocks).view(r, -1, hkv, d).transpose(1, 2)
+        # [R, Hkv, G*Q, D]: the G query heads sharing a KV head become extra query rows.
+        queries = q.index_select(0, plan.query_index).view(r, qmax, hkv, group, d)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(r, hkv, group * qmax, d)
+        out = F.scaled_dot_product_attention(
+            queries.to(keys.dtype), keys, values, attn_mask=plan.mask(sliding_window, group), scale=scale
+        )
+        out = out.view(r, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(r * qmax, hq, d)
+        out = out.index_select(0, plan.out_index)
+        return torch.where(plan.token_valid, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(
+            q.dtype
+        )

@@ -1,0 +1,142 @@
+"""Loader errors a user can hit, each naming the path / file / weight and what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from warmcap.errors import ModelLoadError
+from warmcap.models.loader import load_hf_config, load_model, load_tokenizer
+from warmcap.models.registry import model_class
+from warmcap.models.tiny import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("m") / "tiny-llama"
+    write_tiny_model("tiny-llama", path)
+    return path
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_directory_names_the_path(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"does not exist.*preset"):
+        load_model(tmp_path / "nope")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_hf_config(tmp_path)
+
+
+def test_config_without_architectures(tmp_path, tiny_llama):
+    path = copy_model(tiny_llama, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    del raw["architectures"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="architectures"):
+        load_model(path)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path, tiny_llama):
+    path = copy_model(tiny_llama, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=r"GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model(path)
+    with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM"):
+        model_class("Nope")
+
+
+def test_missing_weight_names_file_and_weight(tmp_path, tiny_llama):
+    path = copy_model(tiny_llama, tmp_path / "m")
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(path)
+
+
+def test_wrong_shape_names_file_and_weight(tmp_path, tiny_llama):
+    path = copy_model(tiny_llama, tmp_path / "m")
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*k_proj\.weight.*\(3, 64\)"):
+        load_model(path)
+
+
+def test_sharded_checkpoint_with_ignorable_extras_loads_like_single_file(tmp_path, tiny_llama, harness_cls):
+    path = copy_model(tiny_llama, tmp_path / "m")
+    weights = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        part = {k: weights[k] for k in keys}
+        if shard.startswith("model-00002"):
+            part["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+        save_file(part, str(path / shard))
+        weight_map.update(dict.fromkeys(keys, shard))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded, single = load_model(path), load_model(tiny_llama)
+    for (n1, p1), (_, p2) in zip(sharded.named_parameters(), single.named_parameters(), strict=True):
+        assert torch.equal(p1, p2), n1
+
+
+def test_unexpected_weight_is_an_error(tmp_path, tiny_llama):
+    path = copy_model(tiny_llama, tmp_path / "m")
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"unexpected weight.*q_norm"):
+        load_model(path)
+
+
+def test_unknown_rope_type_names_it(tmp_path, tiny_llama):
+    path = copy_model(tiny_llama, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["rope_parameters"] = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 512,
+    }
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=r"longrope.*yarn"):
+        load_model(path)
+
+
+def test_tokenizer_round_trips_and_has_chat_template(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    ids = tok("The capital of France is Paris.").input_ids
+    assert tok.decode(ids) == "The capital of France is Paris."
+    assert tok.eos_token is not None
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "hi" in text and text.endswith("assistant\n")
+
+
+def test_importing_model_modules_does_not_import_transformers():
+    """transformers costs seconds to import; CLI paths that only plan must not pay for it."""
+    code = (
+        "import sys, warmcap.models.loader, warmcap.models.presets, warmcap.models.llama, "
+        "warmcap.models.registry, warmcap.runner_v2.attention.selector; "
+        "sys.exit('transformers' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
