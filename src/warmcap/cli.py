@@ -203,3 +203,131 @@ def _spec_stats(llm) -> str | None:
     from warmcap.metrics import format_spec_stats
 
     return format_spec_stats(metrics)
+
+
+# ---- warmup run ----------------------------------------------------------------------------------
+
+DEFAULT_RUN_SPEC = "draft_model:2"
+
+
+@app.command()
+@_user_errors
+def run(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    spec: str = typer.Option(
+        DEFAULT_RUN_SPEC,
+        "--spec",
+        "-s",
+        help=SPEC_HELP + " Default: the model drafts for itself, a method that writes draft KV.",
+    ),
+    max_num_seqs: int = typer.Option(4, help="Most requests in one step (sets the graph sizes)."),
+    max_num_batched_tokens: int = typer.Option(256, help="Token budget of one step."),
+    max_model_len: int = typer.Option(1024, help="Context limit."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    num_blocks: int = typer.Option(None, help="KV pool size in blocks (default: sized from memory)."),
+    mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
+    capture_sizes: str = typer.Option(None, help="Comma-separated token counts to capture, e.g. 1,2,4,8."),
+    backend: str = typer.Option(
+        None, help="Graph backend: cuda, static or compile (default: cuda on a GPU, else static)."
+    ),
+    audit: bool = typer.Option(
+        None, "--audit/--no-audit", help="Audit every KV write (default: on for CPU, off for CUDA)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
+    out: str = typer.Option(None, "--out", "-o", help="Also write the JSON report to this file."),
+    strict: bool = typer.Option(False, help="Exit non-zero when any graph fails verification."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+) -> None:
+    """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
+
+    Exits 1 on any warmup audit violation (always) or failed graph verification (with --strict).
+    """
+    from pathlib import Path
+
+    from warmcap.graphs.render import render
+    from warmcap.graphs.sizes import parse_capture_sizes
+    from warmcap.startup import run_startup
+
+    config = _engine_config(
+        model=model,
+        spec=spec,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        mamba_cache_mode=mamba_cache_mode,
+        dtype=dtype,
+    )
+    sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
+    console = Console()
+    if not as_json:
+        console.print(
+            f"[bold]warmup run[/] {model} spec={spec}: loading, warmup with audit, graph capture ..."
+        )
+    result = run_startup(config, backend=backend, capture_sizes=sizes, audit=audit)
+    report = result.report
+    if out:
+        Path(out).write_text(report.to_json())
+    if as_json:
+        typer.echo(report.to_json())
+    else:
+        render(report, console)
+        for i, text in enumerate(result.smoke_texts):
+            console.print(f"[bold]smoke {i}[/] {text!r}", highlight=False)
+    if result.audit_violations:
+        err.print(
+            f"[bold red]FAIL:[/] {result.audit_violations} stray KV write(s) during warmup (see the audit above)"
+        )
+        raise typer.Exit(1)
+    if strict and result.failed_verification:
+        err.print("[bold red]FAIL:[/] a captured graph does not replay like eager (--strict)")
+        raise typer.Exit(1)
+
+
+# ---- warmup report -------------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def report(
+    file: str = typer.Argument(None, help="A JSON report written by `warmup run --out`."),
+    diff: tuple[str, str] = typer.Option(
+        (None, None), "--diff", help="OLD NEW: flag regressions of NEW against OLD."
+    ),
+    time_tolerance: float = typer.Option(
+        0.25, help="Relative capture-time growth that counts as a regression."
+    ),
+    memory_tolerance: float = typer.Option(0.10, help="Relative memory growth that counts as a regression."),
+) -> None:
+    """Render a saved capture report, or compare two (exit 1 on any regression, for CI)."""
+    from warmcap.graphs.diff import diff_reports
+    from warmcap.graphs.render import render, render_diff
+
+    console = Console()
+    old_path, new_path = diff
+    if old_path and new_path:
+        result = diff_reports(
+            _load_report(old_path),
+            _load_report(new_path),
+            time_tolerance=time_tolerance,
+            memory_tolerance=memory_tolerance,
+        )
+        render_diff(result, console)
+        if result.has_regressions:
+            raise typer.Exit(1)
+        return
+    if not file:
+        raise WarmcapError("give a report FILE to render, or --diff OLD NEW")
+    render(_load_report(file), console)
+
+
+def _load_report(path: str):
+    from pathlib import Path
+
+    from warmcap.graphs.report import CaptureReport
+
+    p = Path(path)
+    if not p.is_file():
+        raise WarmcapError(f"report file {path!r} does not exist: write one with `warmup run --out FILE`")
+    return CaptureReport.from_json(p.read_text())
