@@ -123,7 +123,9 @@ class KVCacheGroup:
         return self.spec.page_size_bytes * max(1, len(self.layer_names))
 
 
-def group_layers(layer_specs: dict[str, KVSpec], *, prefix: str = "", is_drafter: bool = False) -> list[KVCacheGroup]:
+def group_layers(
+    layer_specs: dict[str, KVSpec], *, prefix: str = "", is_drafter: bool = False
+) -> list[KVCacheGroup]:
     """Group layers with equal specs; a group is named after its kind (``full``, ``mla``, ...),
     with a ``.N`` suffix when one kind has several different specs, and ``prefix`` for drafters."""
     by_spec: dict[KVSpec, list[str]] = {}

@@ -94,3 +94,9 @@ def max_blocks_per_request(
         max_encoder_len=max_encoder_len,
     )
     return max(counts.values(), default=0)
+
+
+def blocks_covering(num_tokens, block_size: int):
+    """Blocks that positions ``0 .. num_tokens - 1`` occupy — what an attention kernel reads, not
+    what a request reserves. Works elementwise on integer tensors as well as on ints."""
+    return (num_tokens + block_size - 1) // block_size

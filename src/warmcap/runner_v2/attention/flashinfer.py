@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from warmcap.core.reservation import blocks_covering
 from warmcap.errors import ConfigError
 from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata
 from warmcap.runner_v2.attention.torch_paged import MetaStamp, token_rows, write_kv
@@ -68,8 +69,7 @@ class FlashInferAttention(AttentionBackend):
         qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.cpu()
         seq = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()
         qsl, seq = qsl[: r + 1].to(torch.int32), seq[:r].to(torch.int32)
-        # Pages of a row: up to the column of its last position (position -> column).
-        pages = torch.where(seq > 0, (seq - 1) // bs + 1, 0)
+        pages = blocks_covering(seq, bs)
         kv_indptr = torch.zeros(r + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(pages, 0)
         cols = torch.arange(meta.block_table.shape[1])

@@ -1,0 +1,250 @@
+"""The KV cache manager: one block pool, one strategy per KV group, allocation by the one rule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from warmcap.core.block_pool import BlockPool
+from warmcap.core.group_managers import MANAGER_BY_KIND, AttentionManager, GroupManager
+from warmcap.core.hashing import extend_block_hashes
+from warmcap.core.reservation import block_of, blocks_per_request, reserved_blocks
+from warmcap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from warmcap.core.block_pool import KVBlock
+    from warmcap.core.kv_spec import KVCacheGroup
+    from warmcap.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """Pool occupancy and prefix-cache effectiveness."""
+
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    prefix_cache_queries: int  # prompt tokens looked up at admission
+    prefix_cache_hits: int  # of which were found in the cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class KVCacheManager:
+    """Allocates every KV group's blocks for every request from one shared pool.
+
+    Token layout of a request at one step: computed | new computed (prefix hits) | external (KV
+    loaded from a remote prefill) | new (scheduled) | lookahead (drafter writes). Each group holds
+    ``reserved_blocks(spec, computed + new computed + external + new, L, M)`` blocks afterwards,
+    or more when it already held more (drafts were rejected).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        num_blocks: int,
+        *,
+        max_model_len: int,
+        enable_caching: bool = True,
+        max_encoder_len: int = 0,
+    ) -> None:
+        if not groups:
+            raise ConfigError("a KV cache manager needs at least one KV cache group; got none")
+        self.groups = list(groups)
+        self.max_model_len = max_model_len
+        self.max_encoder_len = max_encoder_len
+        unknown = sorted({g.spec.kind for g in self.groups} - MANAGER_BY_KIND.keys())
+        if unknown:
+            raise ConfigError(
+                f"no block strategy for KV spec kind(s) {unknown}: use {sorted(MANAGER_BY_KIND)}"
+            )
+        managers = [MANAGER_BY_KIND[g.spec.kind] for g in self.groups]
+        block_sizes = {g.spec.block_size for g in self.groups}
+        # Prefix hits must hold in every group at once: only when all groups can share blocks
+        # and one hash chain (one block size) describes them all.
+        self.enable_caching = (
+            enable_caching and all(m.supports_prefix_cache for m in managers) and len(block_sizes) == 1
+        )
+        self.pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
+        self.managers: list[GroupManager] = [
+            cls(g, self.pool) for cls, g in zip(managers, self.groups, strict=True)
+        ]
+        self._releasing = [m for m in self.managers if m.releases_blocks]
+        self._group_names = [g.name for g in self.groups]
+        self._hash_spec = self.groups[0].spec
+        self._hash_block_size = self._hash_spec.block_size
+        # NOTE: a drafter's KV at a block's last position can depend on the next block's first
+        # token (EAGLE shifts tokens by one), which the block hash does not cover: such hits drop
+        # their last block so the drafter recomputes it.
+        self._trim_last_hit = any(g.is_drafter for g in self.groups)
+        self._num_cached: dict[str, int] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ----------------------------------------------------------------------------------- queries
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            usage=self.pool.usage,
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
+        )
+
+    def blocks_needed(
+        self, num_tokens: int, *, num_lookahead_tokens: int, num_encoder_tokens: int = 0
+    ) -> int:
+        """Blocks a fresh request with ``num_tokens`` in flight takes, summed over all groups."""
+        counts = blocks_per_request(
+            self.groups,
+            num_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            max_model_len=self.max_model_len,
+            max_encoder_len=num_encoder_tokens or self.max_encoder_len,
+        )
+        return sum(counts.values())
+
+    def get_block_ids(self, request_id: str) -> dict[str, list[int]]:
+        """Every column of the request's block table per group (0 marks a released column)."""
+        return {m.name: [b.block_id for b in m.req_blocks.get(request_id, ())] for m in self.managers}
+
+    def num_held_blocks(self, request_id: str) -> dict[str, int]:
+        """Block-table columns the request has per group (null placeholders included)."""
+        return {m.name: m.num_held(request_id) for m in self.managers}
+
+    # ------------------------------------------------------------------------------ prefix cache
+
+    def get_computed_blocks(self, request: Request) -> tuple[dict[str, list[int]], int]:
+        """Longest cached prefix of the request in every group: (block ids per group, tokens).
+
+        Only full blocks count, and never the block holding the last token, so at least one token
+        is left to compute (its logits give the next token).
+        """
+        hits: dict[str, list[int]] = {m.name: [] for m in self.managers}
+        if not self.enable_caching or request.num_tokens < 2:
+            return hits, 0
+        self._update_hashes(request)
+        limit = block_of(self._hash_spec, request.num_tokens - 1)
+        pool = self.pool
+        num_hit = 0
+        for block_hash in request.block_hashes[:limit]:
+            found = [pool.get_cached_block(block_hash, m.name) for m in self.managers]
+            if any(b is None for b in found):
+                break
+            for m, block in zip(self.managers, found, strict=True):
+                hits[m.name].append(block.block_id)
+            num_hit += 1
+        if self._trim_last_hit and num_hit:
+            num_hit -= 1
+            for ids in hits.values():
+                ids.pop()
+        return hits, num_hit * self._hash_block_size
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks lost their hash."""
+        return self.pool.reset_prefix_cache()
+
+    # -------------------------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        *,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: dict[str, list[int]] | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_encoder_tokens: int = 0,
+    ) -> dict[str, list[int]] | None:
+        """Grow the request's blocks to the rule's count; returns the ids appended per group,
+        or None when the pool is short, in which case nothing changed."""
+        req_id = request.request_id
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = num_computed + num_external_computed_tokens + num_new_tokens
+        encoder_tokens = num_encoder_tokens or request.num_encoder_tokens
+        hits = self._hit_blocks(new_computed_blocks) if new_computed_blocks else None
+        max_model_len = self.max_model_len
+        counts: list[int] = []
+        need = 0
+        for i, m in enumerate(self.managers):
+            # Cross-attention groups size by the request's encoder length; others ignore it.
+            n = reserved_blocks(
+                m.spec,
+                num_tokens,
+                num_lookahead_tokens=num_lookahead_tokens,
+                max_model_len=max_model_len,
+                max_encoder_len=encoder_tokens,
+            )
+            held = m.req_blocks.get(req_id)
+            if held:
+                n -= len(held)
+            if hits:
+                n -= len(hits[i])
+            if n > 0:
+                need += n
+            counts.append(n)
+        if hits:
+            # A hit that is free right now leaves the free queue when touched.
+            need += sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0)
+        if need:
+            free_now = self.pool.num_free_blocks
+            for m in self._releasing:
+                free_now += m.num_releasable(req_id, num_computed)
+            if need > free_now:
+                return None
+
+        if req_id not in self._num_cached:
+            self._num_cached[req_id] = len(hits[0]) if hits else 0
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += num_new_computed_tokens
+        for m in self._releasing:
+            m.release_skipped(req_id, num_computed)
+        if need or hits:
+            new_ids = {
+                m.name: m.take(req_id, hits[i] if hits else (), n if n > 0 else 0)
+                for i, (m, n) in enumerate(zip(self.managers, counts, strict=True))
+            }
+        else:
+            new_ids = {name: [] for name in self._group_names}
+        if self.enable_caching:
+            num_full = block_of(self._hash_spec, min(num_tokens, request.num_tokens))
+            if num_full > self._num_cached[req_id]:
+                self._cache_full_blocks(request, num_full)
+        return new_ids
+
+    def free(self, request: Request) -> None:
+        """Return every block the request holds (released placeholders excluded)."""
+        for m in self.managers:
+            m.free(request.request_id)
+        self._num_cached.pop(request.request_id, None)
+
+    # ---------------------------------------------------------------------------------- internal
+
+    def _hit_blocks(self, new_computed_blocks: dict[str, list[int]]) -> list[list[KVBlock]]:
+        blocks = self.pool.blocks
+        return [[blocks[i] for i in new_computed_blocks.get(m.name, ())] for m in self.managers]
+
+    def _update_hashes(self, request: Request) -> None:
+        extend_block_hashes(
+            request.block_hashes, request.prompt_token_ids, request.output_token_ids, self._hash_block_size
+        )
+
+    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
+        # Callers count only blocks full of the request's own tokens whose KV is written by the end
+        # of this step: never the lookahead region, never draft tokens (not in the request's tokens).
+        start = self._num_cached[request.request_id]
+        self._update_hashes(request)
+        for m in self.managers:
+            if isinstance(m, AttentionManager):
+                m.cache(request.request_id, request.block_hashes, start, num_full)
+        self._num_cached[request.request_id] = num_full

@@ -1,0 +1,299 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching, speculative decoding and
+recompute preemption.
+
+Each step: running requests first (decodes, verify steps and unfinished prompts, oldest first),
+then waiting requests in arrival order while the token budget, the sequence limit and the pool
+allow. ``num_computed_tokens`` advances when a step is scheduled and rolls back by the rejected
+draft count when its results come in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from warmcap.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from warmcap.core.request import Request, RequestStatus
+from warmcap.core.scheduler_stats import RequestStepOutput, SchedulerStats, SpecDecodeCounters
+from warmcap.errors import CapacityError, ConfigError
+
+if TYPE_CHECKING:
+    from warmcap.config import EngineConfig
+    from warmcap.core.kv_cache_manager import KVCacheManager
+
+_FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes."""
+
+    def __init__(
+        self, config: EngineConfig, kv_cache_manager: KVCacheManager, *, eos_token_id: int | None = None
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.eos_token_id = eos_token_id
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.num_spec_tokens = config.num_speculative_tokens
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.spec_counters = SpecDecodeCounters()
+        self._finished_ids: set[str] = set()
+
+    # ---------------------------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises when it could never run under this configuration."""
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already queued or running")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ConfigError(f"request {req_id!r} has an empty prompt: give at least one token")
+        if n >= self.max_model_len:
+            raise ConfigError(
+                f"request {req_id!r}: a prompt of {n} tokens leaves no room for output within "
+                f"max_model_len {self.max_model_len}; shorten the prompt or raise --max-model-len"
+            )
+        if not self.chunked_prefill and n > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"request {req_id!r}: its {n}-token prompt exceeds max_num_batched_tokens "
+                f"{self.max_num_batched_tokens} and chunked prefill is off; enable chunked prefill "
+                "or raise --max-num-batched-tokens"
+            )
+        # The most tokens the request can have in flight at once: drafts may run k past its end.
+        most = min(n + request.sampling_params.max_tokens + self.num_spec_tokens, self.max_model_len)
+        need = self.kv.blocks_needed(
+            most,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+            num_encoder_tokens=request.num_encoder_tokens,
+        )
+        usable = self.kv.pool.num_blocks - 1
+        if need > usable:
+            raise CapacityError(
+                f"request {req_id!r} may need {need} KV blocks ({most} tokens) but the pool has "
+                f"{usable}; lower max_tokens or max_model_len, or give the KV cache more memory"
+            )
+        if request.eos_token_id is None and self.eos_token_id is not None:
+            request.eos_token_id = self.eos_token_id
+        request.status = RequestStatus.WAITING
+        self.requests[req_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False when the id is unknown or finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.kv.free(request)
+        self._finished_ids.add(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            spec_decode=replace(self.spec_counters),
+            kv_cache=self.kv.stats,
+        )
+
+    # -------------------------------------------------------------------------------- scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and tokens, allocating their blocks by the one rule."""
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        kv = self.kv
+        lookahead = self.num_lookahead_tokens
+        max_pos = self.max_model_len - 1
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            computed = req.num_computed_tokens
+            num_real = req.num_tokens - computed
+            drafts = req.spec_token_ids
+            # NOTE: the cap keeps computed + scheduled <= max_model_len - 1, so even the bonus token
+            # of a fully accepted verify step leaves the request at most max_model_len long.
+            num_new = min(num_real + len(drafts), budget, max_pos - computed)
+            new_ids = kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
+            while new_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget
+                new_ids = kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
+            req_id = req.request_id
+            out.scheduled_cached_reqs.append(CachedRequestData(req_id, new_ids, computed))
+            out.num_scheduled_tokens[req_id] = num_new
+            out.num_lookahead_tokens[req_id] = lookahead
+            if num_new > num_real and drafts:
+                out.scheduled_spec_decode_tokens[req_id] = drafts[: num_new - num_real]
+            req.num_computed_tokens = computed + num_new
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit_ids, num_hit = kv.get_computed_blocks(req)
+            external = 0
+            if req.num_external_computed_tokens and req.num_preemptions == 0:
+                # Remote KV covers the prompt from position 0; after a preemption it is gone.
+                external = max(0, min(req.num_external_computed_tokens, req.num_tokens - 1) - num_hit)
+            num_new = req.num_tokens - num_hit - external
+            if num_new > budget:
+                # NOTE: without chunking a prompt waits for a step with room; a resumed request longer
+                # than the whole budget is still recomputed in chunks, or it could never run again.
+                if not self.chunked_prefill and num_new <= self.max_num_batched_tokens:
+                    return
+                num_new = budget
+            # A consumer's loading step drafts nothing, so it reserves no lookahead.
+            lookahead = 0 if external else self.num_lookahead_tokens
+            new_ids = kv.allocate_slots(
+                req,
+                num_new,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hit_ids,
+                num_lookahead_tokens=lookahead,
+                num_external_computed_tokens=external,
+                num_encoder_tokens=req.num_encoder_tokens,
+            )
+            if new_ids is None:
+                return
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req_id = req.request_id
+            computed = num_hit + external
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=req_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling_params=req.sampling_params,
+                    block_ids=kv.get_block_ids(req_id),
+                    num_computed_tokens=computed,
+                    output_token_ids=list(req.output_token_ids),
+                )
+            )
+            out.num_scheduled_tokens[req_id] = num_new
+            out.num_lookahead_tokens[req_id] = lookahead
+            req.num_computed_tokens = computed + num_new
+            budget -= num_new
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.add(req.request_id)
+
+    # ----------------------------------------------------------------------------------- results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[RequestStepOutput]:
+        """Apply a step's sampled tokens and drafts; returns what each request gained."""
+        results: list[RequestStepOutput] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        drafts_out = model_runner_output.draft_token_ids
+        k = self.num_spec_tokens
+        running = RequestStatus.RUNNING
+        finished: list[Request] = []
+        for req_id, sampled in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            req = self.requests.get(req_id)
+            if req is None or req.status is not running:
+                continue  # aborted while the step ran
+            scheduled_drafts = spec.get(req_id)
+            num_drafts = len(scheduled_drafts) if scheduled_drafts else 0
+            if len(sampled) > num_drafts + 1:
+                raise ValueError(
+                    f"runner returned {len(sampled)} tokens for {req_id!r} with {num_drafts} drafts; "
+                    "at most drafts + 1 can be accepted"
+                )
+            num_accepted = len(sampled) - 1 if sampled else 0
+            if num_drafts:
+                req.num_computed_tokens -= num_drafts - num_accepted
+                self.spec_counters.record(num_drafts, num_accepted)
+            if not sampled:
+                if req.num_computed_tokens >= req.num_tokens:
+                    raise ValueError(f"runner sampled no token for {req_id!r} after its prompt ended")
+                continue
+            new_tokens = self._append_and_check_stop(req, sampled)
+            status = req.status
+            if status is running:
+                next_drafts = drafts_out.get(req_id)
+                req.spec_token_ids = list(next_drafts[:k]) if next_drafts and k else []
+            else:
+                finished.append(req)
+            results.append(
+                RequestStepOutput(
+                    req_id=req_id,
+                    new_token_ids=new_tokens,
+                    finished=status is not running,
+                    finish_reason=_FINISH_REASON.get(status),
+                    num_draft_tokens=num_drafts,
+                    num_accepted_tokens=num_accepted,
+                )
+            )
+        if finished:
+            done = set(finished)
+            self.running = [r for r in self.running if r not in done]
+            for req in finished:
+                self.kv.free(req)
+                del self.requests[req.request_id]
+                self._finished_ids.add(req.request_id)
+        return results
+
+    def _append_and_check_stop(self, req: Request, sampled: list[int]) -> list[int]:
+        params = req.sampling_params
+        eos = None if params.ignore_eos else req.eos_token_id
+        stop_ids = params.stop_token_ids
+        room = min(params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        kept: list[int] = []
+        for token in sampled:
+            if len(kept) == room:
+                break
+            kept.append(token)
+            if token == eos or token in stop_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                break
+        req.output_token_ids.extend(kept)
+        if req.status is RequestStatus.RUNNING and (
+            req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len
+        ):
+            req.status = RequestStatus.FINISHED_LENGTH
+        return kept
