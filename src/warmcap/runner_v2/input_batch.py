@@ -1,0 +1,219 @@
+"""The persistent batch: request state in fixed rows, updated from each step's deltas.
+
+A request keeps its row from the step it is added until it finishes or is preempted; only what
+changed crosses from the scheduler (new blocks, computed count). Host state is numpy so a step's
+inputs are built with array ops, never a per-token Python loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from warmcap.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from warmcap.runner_v2.block_table import BlockTables
+from warmcap.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Host-side inputs of one step, unpadded, requests in ``req_ids`` order.
+
+    ``logits_indices`` are the token indices that sample: for each request whose computed +
+    scheduled tokens reach the end of its known tokens, its last ``num_logits[i]`` tokens
+    (1, or 1 + k when verifying k drafts); ``num_logits[i]`` is 0 for a prompt chunk.
+    """
+
+    req_ids: list[str]
+    rows: np.ndarray  # int64 [R]
+    num_scheduled: np.ndarray  # int32 [R]
+    query_start_loc: np.ndarray  # int32 [R+1]
+    positions: np.ndarray  # int64 [T]
+    input_ids: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int32 [R]
+    block_tables: dict[str, torch.Tensor]  # group -> int32 [R, max_blocks_per_req]
+    logits_indices: np.ndarray  # int64 [N]
+    num_logits: np.ndarray  # int32 [R]
+    draft_token_ids: list[list[int]]
+    max_num_blocks: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.num_scheduled.max(initial=0))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max(initial=0))
+
+
+class InputBatch:
+    """Request state in ``max_num_reqs`` rows: tokens, progress, sampling settings, block tables."""
+
+    def __init__(
+        self,
+        *,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        group_names: Sequence[str],
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        # Room for drafts and the token sampled after the last position.
+        width = max_model_len + num_speculative_tokens + 1
+        self.token_ids = np.zeros((max_num_reqs, width), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int32)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs))
+        self.block_tables = BlockTables(group_names, max_num_reqs, max_blocks_per_req)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.row_of)
+
+    # ---- deltas -------------------------------------------------------------------------------
+
+    def update(self, sched_out: SchedulerOutput) -> None:
+        """Apply one step's deltas: drop finished/preempted rows, add new requests, append blocks,
+        and stage the drafts to verify after each request's known tokens."""
+        for req_id in sched_out.finished_req_ids | sched_out.preempted_req_ids:
+            if req_id in self.row_of:
+                self.remove_request(req_id)
+        for new in sched_out.scheduled_new_reqs:
+            self.add_request(new)
+        for cached in sched_out.scheduled_cached_reqs:
+            self.update_request(cached)
+        for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
+            if drafts:
+                row = self.row_of[req_id]
+                start = int(self.num_tokens[row])
+                self.token_ids[row, start : start + len(drafts)] = drafts
+
+    def add_request(self, new: NewRequestData) -> int:
+        """Place a new (or resumed) request in the lowest free row and return the row."""
+        if new.req_id in self.row_of:
+            raise ValueError(f"request {new.req_id!r} is already in row {self.row_of[new.req_id]}")
+        if not self._free_rows:
+            raise RuntimeError(
+                f"persistent batch full ({self.max_num_reqs} rows): scheduler exceeded max_num_seqs"
+            )
+        row = heapq.heappop(self._free_rows)
+        tokens = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_computed[row] = new.num_computed_tokens
+        self._set_sampling(row, new.sampling_params)
+        self.block_tables.add_row(row, new.block_ids)
+        self.req_ids[row] = new.req_id
+        self.row_of[new.req_id] = row
+        return row
+
+    def update_request(self, cached: CachedRequestData) -> None:
+        row = self.row_of[cached.req_id]
+        self.num_computed[row] = cached.num_computed_tokens
+        self.block_tables.append(row, cached.new_block_ids)
+
+    def remove_request(self, req_id: str) -> int:
+        """Free the request's row: clear its block tables and settings; returns the row."""
+        row = self.row_of.pop(req_id)
+        self.req_ids[row] = None
+        self.block_tables.clear_row(row)
+        # NOTE: the whole row: staged drafts that were rejected sit past num_tokens.
+        self.token_ids[row] = 0
+        self.num_tokens[row] = 0
+        self.num_prompt_tokens[row] = 0
+        self.num_computed[row] = 0
+        self.generators[row] = None
+        heapq.heappush(self._free_rows, row)
+        return row
+
+    def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
+        """Record tokens the runner produced (accepted drafts + the sampled one)."""
+        if not tokens:
+            return
+        row = self.row_of[req_id]
+        start = int(self.num_tokens[row])
+        self.token_ids[row, start : start + len(tokens)] = tokens
+        self.num_tokens[row] = start + len(tokens)
+
+    def _set_sampling(self, row: int, params: SamplingParams) -> None:
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed)
+        self.generators[row] = gen
+
+    # ---- one step's inputs ---------------------------------------------------------------------
+
+    def prepare_inputs(self, sched_out: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled requests (in ``sched_out.num_scheduled_tokens`` order) into token
+        ids, positions, query offsets, context lengths, block tables and sampling indices."""
+        req_ids = list(sched_out.num_scheduled_tokens)
+        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_scheduled = np.fromiter(
+            sched_out.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids)
+        )
+        qsl = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+
+        computed = self.num_computed[rows]
+        offsets = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1], num_scheduled)
+        positions = np.repeat(computed, num_scheduled).astype(np.int64) + offsets
+        input_ids = self.token_ids[np.repeat(rows, num_scheduled), positions]
+        seq_lens = computed + num_scheduled
+
+        drafts = [sched_out.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
+        num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int32, count=len(req_ids))
+        samples = seq_lens >= self.num_tokens[rows] + num_drafts
+        num_logits = np.where(samples, 1 + num_drafts, 0).astype(np.int32)
+        logits_indices = _ranges_ending_at(qsl[1:], num_logits)
+
+        return StepInputs(
+            req_ids=req_ids,
+            rows=rows,
+            num_scheduled=num_scheduled,
+            query_start_loc=qsl,
+            positions=positions,
+            input_ids=input_ids,
+            seq_lens=seq_lens.astype(np.int32),
+            block_tables={g: t.gather(rows) for g, t in self.block_tables.tables.items()},
+            logits_indices=logits_indices,
+            num_logits=num_logits,
+            draft_token_ids=drafts,
+            max_num_blocks=self.block_tables.max_num_blocks(rows),
+        )
+
+
+def _ranges_ending_at(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate ``range(end - n, end)`` for each pair, as int64."""
+    total = int(lengths.sum())
+    starts = np.repeat(ends.astype(np.int64) - lengths, lengths)
+    firsts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return starts + (np.arange(total, dtype=np.int64) - firsts)

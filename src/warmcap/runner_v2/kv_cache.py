@@ -1,0 +1,96 @@
+"""KV cache tensors: one per layer, laid out by the layer's spec kind.
+
+Allocation dispatches through :data:`KV_LAYOUTS` (kind -> layout), so new kinds (MLA, indexer,
+Mamba) register a layout instead of editing this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from warmcap.core.kv_spec import FullAttentionSpec, KVCacheGroup, KVSpec
+from warmcap.errors import ModelLoadError
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How one spec kind is stored: ``shape(spec, num_blocks)`` includes the trailing sink block,
+    ``block_dim`` is the dimension indexed by block id."""
+
+    shape: Callable[[KVSpec, int], tuple[int, ...]]
+    block_dim: int
+
+
+def _attention_shape(spec: KVSpec, num_blocks: int) -> tuple[int, ...]:
+    assert isinstance(spec, FullAttentionSpec)
+    # num_blocks + 1: the last block is the sink that PAD slots write to (see attention/base.py).
+    return (2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+
+KV_LAYOUTS: dict[str, KVLayout] = {
+    "full": KVLayout(_attention_shape, block_dim=1),
+    "sliding_window": KVLayout(_attention_shape, block_dim=1),
+}
+
+
+def register_kv_layout(kind: str, layout: KVLayout) -> None:
+    """Teach the allocator a new spec kind."""
+    KV_LAYOUTS[kind] = layout
+
+
+def _layout(spec: KVSpec) -> KVLayout:
+    layout = KV_LAYOUTS.get(spec.kind)
+    if layout is None:
+        raise ModelLoadError(
+            f"no KV layout registered for spec kind {spec.kind!r}; known: {sorted(KV_LAYOUTS)}"
+        )
+    return layout
+
+
+class KVCaches:
+    """The KV tensors of every layer of ``groups``, ``num_blocks`` block ids each (null block 0
+    included) plus the sink."""
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        num_blocks: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.groups = list(groups)
+        self.num_blocks = num_blocks
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.layer_to_group: dict[str, str] = {}
+        self._block_dims: dict[str, int] = {}
+        for group in self.groups:
+            layout = _layout(group.spec)
+            for layer in group.layer_names:
+                self.tensors[layer] = torch.zeros(
+                    layout.shape(group.spec, num_blocks), dtype=dtype, device=device
+                )
+                self.layer_to_group[layer] = group.name
+                self._block_dims[layer] = layout.block_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across every group (what the pool sizing divides by)."""
+        return sum(g.page_size_bytes for g in self.groups)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def zero_blocks(self, block_ids: Iterable[int], *, groups: Iterable[str] | None = None) -> None:
+        """Scrub ``block_ids`` in every layer (or only the layers of ``groups``)."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        if ids.numel() == 0:
+            return
+        wanted = None if groups is None else set(groups)
+        for layer, tensor in self.tensors.items():
+            if wanted is None or self.layer_to_group[layer] in wanted:
+                tensor.index_fill_(self._block_dims[layer], ids.to(tensor.device), 0)

@@ -1,0 +1,254 @@
+"""Model Runner V2: ``execute_model(SchedulerOutput) -> ModelRunnerOutput``.
+
+One step = apply the deltas to the persistent batch -> build host inputs -> load the static
+buffers (slot mappings computed on the device) -> forward -> logits only where a token is sampled
+-> sample / verify drafts -> let the drafter propose. Warmup and serving both come through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from warmcap.core.kv_spec import KVCacheGroup
+from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
+from warmcap.core.reservation import max_blocks_per_request
+from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from warmcap.runner_v2.input_batch import InputBatch, StepInputs
+from warmcap.runner_v2.kv_cache import KVCaches
+from warmcap.runner_v2.kv_writes import KVWriteLog, KVWriteRecord
+from warmcap.runner_v2.rejection import greedy_verify, probabilistic_verify
+from warmcap.runner_v2.sampler import Sampler, SamplingMetadata
+from warmcap.runner_v2.step_buffers import StepBuffers
+
+if TYPE_CHECKING:
+    from warmcap.config import EngineConfig
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: ``(req_ids, num_logits per request, logits [N, V])`` before sampling; for tests and debugging.
+LogitsHook = Callable[[list[str], np.ndarray, torch.Tensor], None]
+
+
+class Drafter(Protocol):
+    def propose(
+        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: list[list[int]]
+    ) -> dict[str, list[int]]: ...
+
+
+class ModelRunner:
+    """Owns the persistent batch, block tables, KV caches and static step buffers of one model.
+
+    Public state other components build on:
+    - ``batch`` (:class:`InputBatch`), ``buffers`` (:class:`StepBuffers`), ``kv_caches`` (:class:`KVCaches`)
+    - ``last_step`` (:class:`StepInputs`), ``last_hidden_states`` ``[T, H]`` and ``last_positions``
+      ``[T]`` of the latest forward, for drafters
+    - ``drafter``: called after sampling, returns next-step proposals; it may leave their
+      probabilities in ``draft_probs`` for probabilistic verification
+    - ``record_kv_writes`` / ``kv_write_log``: every slot mapping of every pass, for the audit
+    - ``logits_hook``: sees the sampling logits of each step
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: Any,
+        kv_groups: Sequence[KVCacheGroup],
+        num_blocks: int,
+        *,
+        device: torch.device | str,
+        attn_backend: AttentionBackend,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.kv_groups = list(kv_groups)
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.attn_backend = attn_backend
+        self.dtype = TORCH_DTYPES[config.model.dtype]
+        sched = config.scheduler
+        k = config.num_speculative_tokens
+        self.max_model_len = config.max_model_len
+        self.max_num_reqs = sched.max_num_seqs
+        self.max_num_tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + k))
+        self.max_blocks_per_req = max_blocks_per_request(
+            self.kv_groups,
+            num_lookahead_tokens=config.num_lookahead_tokens,
+            max_model_len=self.max_model_len,
+        )
+        names = [g.name for g in self.kv_groups]
+        self.batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_blocks_per_req=self.max_blocks_per_req,
+            group_names=names,
+            num_speculative_tokens=k,
+        )
+        self.buffers = StepBuffers(
+            max_num_tokens=self.max_num_tokens,
+            max_num_reqs=self.max_num_reqs,
+            max_blocks_per_req=self.max_blocks_per_req,
+            group_block_sizes={g.name: g.spec.block_size for g in self.kv_groups},
+            device=self.device,
+        )
+        self.kv_caches = KVCaches(self.kv_groups, num_blocks, dtype=self.dtype, device=self.device)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+        self.drafter: Drafter | None = None
+        self.record_kv_writes = False
+        self.kv_write_log = KVWriteLog()
+        self.logits_hook: LogitsHook | None = None
+        # req_id -> [k, V] probabilities of the drafts a drafter just proposed (consumed by the next
+        # verify step); requests without an entry are verified as single-token proposals.
+        self.draft_probs: dict[str, torch.Tensor] = {}
+        self.num_steps = 0
+        self.last_step: StepInputs | None = None
+        self.last_hidden_states: torch.Tensor | None = None
+        self.last_positions: torch.Tensor | None = None
+        # Target layers whose input hidden states drafters read (EAGLE-3, DFlash); filled per forward.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.last_aux_hidden_states: list[torch.Tensor] = []
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step and return what each request produced."""
+        self.batch.update(sched_out)
+        self.num_steps += 1
+        if sched_out.is_empty:
+            return ModelRunnerOutput()
+        step = self.batch.prepare_inputs(sched_out)
+        self.buffers.copy_from(step)
+        metas = self.buffers.attn_metadata(num_columns=step.max_num_blocks)
+        if self.record_kv_writes:
+            self.record_pass("target", step.req_ids, metas)
+        hidden = self.forward_batch(step.num_tokens, metas)
+        self.last_step = step
+        self.last_hidden_states = hidden
+        self.last_positions = self.buffers.positions[: step.num_tokens]
+
+        sampled = self._sample(hidden, step)
+        for req_id, tokens in zip(step.req_ids, sampled, strict=True):
+            self.batch.append_tokens(req_id, tokens)
+        drafts = self.drafter.propose(self, sched_out, sampled) if self.drafter is not None else {}
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            sampled_token_ids=sampled,
+            draft_token_ids=drafts,
+            num_draft_tokens={
+                r: len(d) for r, d in zip(step.req_ids, step.draft_token_ids, strict=True) if d
+            },
+        )
+
+    def forward_batch(self, num_tokens: int, attn_metadata: dict[str, AttentionMetadata]) -> torch.Tensor:
+        """Run the model eagerly on the first ``num_tokens`` tokens of the static buffers: the seam
+        graph capture and replay wrap. Returns hidden states ``[num_tokens, H]``."""
+        ctx = ForwardContext(
+            attn_metadata=attn_metadata,
+            layer_to_group=self.kv_caches.layer_to_group,
+            kv_caches=self.kv_caches.tensors,
+            backend=self.attn_backend,
+            aux_hidden_state_layers=self.aux_hidden_state_layers,
+        )
+        hidden = self.model.forward(
+            self.buffers.input_ids[:num_tokens], self.buffers.positions[:num_tokens], ctx
+        )
+        self.last_aux_hidden_states = ctx.aux_hidden_states
+        return hidden
+
+    def record_pass(self, phase: str, req_ids: list[str], metas: dict[str, AttentionMetadata]) -> None:
+        """Append the slot mappings of a pass over the loaded buffers to ``kv_write_log``."""
+        r = len(req_ids)
+        qsl = self.buffers.query_start_loc_cpu[: r + 1].tolist()
+        rows = [self.batch.row_of[req_id] for req_id in req_ids]
+        for group, meta in metas.items():
+            table = self.batch.block_tables[group]
+            self.kv_write_log.add(
+                KVWriteRecord(
+                    phase=phase,
+                    group=group,
+                    req_ids=list(req_ids),
+                    query_start_loc=qsl,
+                    positions=self.buffers.positions[: meta.num_tokens].cpu().clone(),
+                    slot_mapping=meta.slot_mapping.cpu().clone(),
+                    step=self.num_steps,
+                    block_ids={req_id: table.row(row) for req_id, row in zip(req_ids, rows, strict=True)},
+                )
+            )
+
+    # ---- sampling --------------------------------------------------------------------------------
+
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Sampling settings for logits rows taken from persistent-batch ``rows``."""
+        b = self.batch
+        return SamplingMetadata.from_rows(
+            temperature=torch.from_numpy(b.temperature[rows]),
+            top_k=torch.from_numpy(b.top_k[rows]),
+            top_p=torch.from_numpy(b.top_p[rows]),
+            min_p=torch.from_numpy(b.min_p[rows]),
+            generators=[b.generators[i] for i in rows.tolist()],
+        )
+
+    def _sample(self, hidden: torch.Tensor, step: StepInputs) -> list[list[int]]:
+        n = len(step.logits_indices)
+        if n == 0:
+            return [[] for _ in step.req_ids]
+        logits = self.model.compute_logits(hidden[self.buffers.logits_indices[:n]])
+        if self.logits_hook is not None:
+            self.logits_hook(step.req_ids, step.num_logits, logits)
+        samples = (step.num_logits > 0).tolist()
+        meta = self.sampling_metadata(np.repeat(step.rows, step.num_logits))
+        drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]
+        if not any(drafts):
+            produced = [[t] for t in self.sampler(logits, meta).tolist()]
+        elif meta.all_greedy:
+            produced = greedy_verify(logits.argmax(dim=-1), drafts)
+        else:
+            produced = self._verify_random(logits, meta, step, drafts)
+        it = iter(produced)
+        return [next(it) if s else [] for s in samples]
+
+    def _verify_random(
+        self, logits: torch.Tensor, meta: SamplingMetadata, step: StepInputs, drafts: list[list[int]]
+    ) -> list[list[int]]:
+        """Speculative sampling over the processed target distribution (greedy rows one-hot)."""
+        probs = self.sampler.probs(logits, meta)
+        greedy = (meta.temperature <= 0).to(probs.device)
+        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), probs.shape[1]).to(probs.dtype)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+        rows = step.rows[step.num_logits > 0].tolist()
+        req_ids = [r for r, n in zip(step.req_ids, step.num_logits.tolist(), strict=True) if n]
+        return probabilistic_verify(
+            probs,
+            self._pending_draft_probs(req_ids, drafts, probs),
+            drafts,
+            [self.batch.generators[row] for row in rows],
+        )
+
+    def _pending_draft_probs(
+        self, req_ids: list[str], drafts: list[list[int]], target: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Rows of ``draft_probs`` for this step's drafts, one-hot where a drafter gave none."""
+        given = {r: self.draft_probs.pop(r) for r in req_ids if r in self.draft_probs}
+        self.draft_probs.clear()
+        if not given:
+            return None
+        parts = []
+        for req_id, d in zip(req_ids, drafts, strict=True):
+            if not d:
+                continue
+            probs = given.get(req_id)
+            if probs is None:
+                ids = torch.tensor(d, device=target.device)
+                probs = torch.nn.functional.one_hot(ids, target.shape[1]).to(target.dtype)
+            parts.append(probs[: len(d)].to(target.device, target.dtype))
+        return torch.cat(parts)

@@ -1,0 +1,105 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Random rows draw by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which samples from
+``p`` exactly. A seeded row draws its noise from its own generator, so it picks the same tokens
+whatever else shares the batch; unseeded rows share one draw from the runner's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per logits row settings (a request verifying k drafts contributes 1 + k rows)."""
+
+    temperature: torch.Tensor  # float32 [N]; 0 = greedy
+    top_k: torch.Tensor  # int64 [N]; 0 = off
+    top_p: torch.Tensor  # float32 [N]; 1 = off
+    min_p: torch.Tensor  # float32 [N]; 0 = off
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_rows(
+        cls,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        generators: list[torch.Generator | None],
+    ) -> SamplingMetadata:
+        random = temperature > 0
+        return cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=generators,
+            all_greedy=not bool(random.any()),
+            any_top_k=bool(((top_k > 0) & random).any()),
+            any_top_p=bool(((top_p < 1) & random).any()),
+            any_min_p=bool(((min_p > 0) & random).any()),
+        )
+
+
+class Sampler:
+    """Picks one token per logits row."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """``logits`` float32 ``[N, V]`` -> token ids int64 ``[N]``."""
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        probs = self.probs(logits, meta)
+        noise = self._exponential_noise(probs, meta.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(meta.temperature.to(logits.device) > 0, sampled, greedy)
+
+    def probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each random row samples from (temperature, then top-k, top-p, min-p)."""
+        temp = meta.temperature.to(logits.device)
+        scaled = logits / torch.where(temp > 0, temp, 1.0).unsqueeze(1)
+        if meta.any_top_k or meta.any_top_p:
+            scaled = _top_k_top_p(scaled, meta.top_k.to(logits.device), meta.top_p.to(logits.device))
+        probs = scaled.softmax(dim=-1)
+        if meta.any_min_p:
+            floor = meta.min_p.to(logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return probs
+
+    def _exponential_noise(
+        self, probs: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, gen in enumerate(generators):
+            if gen is not None:
+                # NOTE: the generator lives on the host so its stream does not depend on the device.
+                row = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
+                noise[i] = row.to(probs.device)
+        return noise
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf (ties at the k-th value
+    stay in; the most likely token always stays)."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    drop_sorted = sorted_logits < kth
+    sorted_probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted |= mass_before >= top_p.unsqueeze(1)
+    drop_sorted[:, 0] = False
+    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,135 @@
+"""Static per-step device buffers, sized to the maximum, refilled each step by ``copy_from``.
+
+The eager path uses slices of them; graph capture records over them and replays after a refill.
+Padding is explicit and benign: padded tokens get id 0, position 0 and slot PAD (-1); padded rows
+get a zero (null-block) table row, ``seq_len`` 0 and no query tokens except the padded ones, which
+belong to the first padded row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from warmcap.runner_v2.attention.base import PAD_SLOT_ID, AttentionMetadata
+from warmcap.runner_v2.input_batch import StepInputs
+from warmcap.runner_v2.slot_mapping import slot_mapping
+
+
+class StepBuffers:
+    """Device buffers for ``max_num_tokens`` tokens and ``max_num_reqs`` requests, one block table
+    and slot mapping per KV group (``group_block_sizes``: group name -> block size)."""
+
+    def __init__(
+        self,
+        *,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        group_block_sizes: Mapping[str, int],
+        device: torch.device | str,
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        self.max_blocks_per_req = max_blocks_per_req
+        self.group_block_sizes = dict(group_block_sizes)
+        self.device = torch.device(device)
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=device)
+        self.positions = torch.zeros(max_num_tokens, dtype=i64, device=device)
+        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=i32, device=device)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=i32, device=device)
+        self.logits_indices = torch.zeros(max_num_tokens, dtype=i64, device=device)
+        self.block_tables = {
+            g: torch.zeros(max_num_reqs, max_blocks_per_req, dtype=i32, device=device)
+            for g in group_block_sizes
+        }
+        self.slot_mappings = {
+            g: torch.full((max_num_tokens,), PAD_SLOT_ID, dtype=i64, device=device) for g in group_block_sizes
+        }
+        # Host mirrors so backends can plan without a device sync.
+        self.query_start_loc_cpu = torch.zeros(max_num_reqs + 1, dtype=i32)
+        self.seq_lens_cpu = torch.zeros(max_num_reqs, dtype=i32)
+        self.num_tokens = 0
+        self.num_reqs = 0
+        self.num_tokens_padded = 0
+        self.num_reqs_padded = 0
+        self.num_logits = 0
+        self.max_query_len = 0
+        self.max_seq_len = 0
+
+    def copy_from(
+        self,
+        step: StepInputs,
+        *,
+        num_tokens_padded: int | None = None,
+        num_reqs_padded: int | None = None,
+    ) -> None:
+        """Load a step, padded to ``num_tokens_padded`` tokens and ``num_reqs_padded`` rows (default:
+        no padding), then compute every group's slot mapping on the device."""
+        t, r = step.num_tokens, step.num_reqs
+        tp = t if num_tokens_padded is None else num_tokens_padded
+        rp = r if num_reqs_padded is None else num_reqs_padded
+        if not (t <= tp <= self.max_num_tokens and r <= rp <= self.max_num_reqs):
+            raise ValueError(
+                f"step of {t} tokens / {r} requests padded to {tp} / {rp} does not fit buffers of "
+                f"{self.max_num_tokens} tokens / {self.max_num_reqs} requests"
+            )
+        if tp > t and rp == r:
+            raise ValueError(
+                f"padding {t} -> {tp} tokens needs a padded row to own them (num_reqs_padded > {r})"
+            )
+        nb = self.device.type == "cuda"
+        self.input_ids[:t].copy_(torch.from_numpy(step.input_ids), non_blocking=nb)
+        self.positions[:t].copy_(torch.from_numpy(step.positions), non_blocking=nb)
+        self.input_ids[t:tp].zero_()
+        self.positions[t:tp].zero_()
+
+        qsl = self.query_start_loc_cpu
+        qsl[: r + 1].copy_(torch.from_numpy(step.query_start_loc))
+        qsl[r + 1 : rp + 1] = tp
+        self.seq_lens_cpu[:r].copy_(torch.from_numpy(step.seq_lens))
+        self.seq_lens_cpu[r:rp] = 0
+        self.query_start_loc[: rp + 1].copy_(qsl[: rp + 1], non_blocking=nb)
+        self.seq_lens[:rp].copy_(self.seq_lens_cpu[:rp], non_blocking=nb)
+
+        n = len(step.logits_indices)
+        self.logits_indices[:n].copy_(torch.from_numpy(step.logits_indices), non_blocking=nb)
+        for g, table in self.block_tables.items():
+            table[:r].copy_(step.block_tables[g], non_blocking=nb)
+            table[r:rp].zero_()
+            slot_mapping(
+                table[:r],
+                self.query_start_loc[: r + 1],
+                self.positions[:t],
+                self.group_block_sizes[g],
+                self.slot_mappings[g][:tp],
+            )
+        self.num_tokens, self.num_reqs = t, r
+        self.num_tokens_padded, self.num_reqs_padded = tp, rp
+        self.num_logits = n
+        self.max_query_len = max(step.max_query_len, tp - t)
+        self.max_seq_len = step.max_seq_len
+
+    def attn_metadata(self, *, num_columns: int | None = None) -> dict[str, AttentionMetadata]:
+        """Per-group metadata over the loaded (padded) step. ``num_columns`` trims the block tables
+        to the columns the step uses (eager only: a graph needs the full static width)."""
+        tp, rp = self.num_tokens_padded, self.num_reqs_padded
+        cols = self.max_blocks_per_req if num_columns is None else num_columns
+        return {
+            g: AttentionMetadata(
+                num_tokens=tp,
+                num_reqs=rp,
+                query_start_loc=self.query_start_loc[: rp + 1],
+                seq_lens=self.seq_lens[:rp],
+                block_table=self.block_tables[g][:rp, :cols],
+                slot_mapping=self.slot_mappings[g][:tp],
+                max_query_len=self.max_query_len,
+                max_seq_len=self.max_seq_len,
+                block_size=bs,
+                query_start_loc_cpu=self.query_start_loc_cpu[: rp + 1],
+                seq_lens_cpu=self.seq_lens_cpu[:rp],
+            )
+            for g, bs in self.group_block_sizes.items()
+        }
