@@ -1,0 +1,83 @@
+"""The drafter interface: which KV groups a drafter writes, how far ahead, and what it proposes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from warmcap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from warmcap.config import EngineConfig
+    from warmcap.core.kv_spec import KVCacheGroup
+    from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.model_runner import ModelRunner
+
+DRAFT_GROUP_PREFIX = "draft."
+
+
+@dataclass(frozen=True, slots=True)
+class DraftGraphShape:
+    """One forward a drafter runs per engine step, for the graphs helper to capture.
+
+    ``query_len`` is the tokens per request (uniform across the batch); ``None`` means ragged (a
+    draft prefill over each request's new tokens). ``repeats`` is how many times the shape runs per
+    engine step (k - 1 autoregressive draft decodes, for instance).
+    """
+
+    phase: str  # "draft_prefill" or "draft_decode"
+    query_len: int | None
+    repeats: int = 1
+
+
+class Drafter(ABC):
+    """A speculative-decoding proposer.
+
+    Subclasses set ``method`` and ``lookahead_for(k)``: how many KV slots past a request's scheduled
+    tokens the drafter writes. That number must equal the lookahead the KV cache manager reserves
+    (``EngineConfig.num_lookahead_tokens``), otherwise drafter writes leave the request's blocks.
+    """
+
+    method: ClassVar[str]
+    #: target layers whose input hidden states the drafter reads (``ForwardContext`` aux layers)
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: EngineConfig) -> None:
+        spec = config.speculative
+        if spec is None or spec.method != self.method:
+            raise ConfigError(f"{type(self).__name__} needs speculative method {self.method!r}; got {spec}")
+        self.config = config
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.lookahead = self.lookahead_for(self.num_speculative_tokens)
+        if self.lookahead != config.num_lookahead_tokens:
+            raise ConfigError(
+                f"{self.method} writes {self.lookahead} KV slots past the scheduled tokens but the engine "
+                f"reserves {config.num_lookahead_tokens}: the reservation table and the drafter disagree"
+            )
+
+    @staticmethod
+    @abstractmethod
+    def lookahead_for(num_speculative_tokens: int) -> int:
+        """KV slots written past the scheduled tokens for ``k`` draft tokens."""
+
+    def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
+        """The drafter's own KV groups (``is_drafter=True``, names prefixed ``draft.``)."""
+        return []
+
+    @abstractmethod
+    def propose(
+        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
+    ) -> dict[str, list[int]]:
+        """Draft tokens for the next step, per request that sampled this step.
+
+        ``sampled[i]`` holds what request ``i`` of ``runner.last_step`` gained this step (accepted
+        drafts plus the sampled token; empty for a prompt chunk); the runner has already appended
+        them to its persistent batch. Drafts are greedy, so the runner verifies them as one-hot
+        proposals.
+        """
+
+    def graph_shapes(self) -> list[DraftGraphShape]:
+        """The forwards to capture as drafter graphs (none for drafters without a model)."""
+        return []

@@ -1,0 +1,192 @@
+"""DFlash: block-parallel drafting in ONE forward over ``1 + k`` query positions.
+
+The target's states of accepted positions become *context* K/V in the drafter's own KV group
+(``draft_prefill``); then the block ``[sampled token, mask, ..., mask]`` at positions ``P .. P + k``
+attends to all context and to the whole block (non-causal inside the block), and the outputs at
+the k mask positions are the drafts (``draft_step_0``). The block writes position ``P + k <=
+start + scheduled + k``: one slot past the EAGLE-style k, hence dflash's lookahead of k + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from warmcap.core.kv_spec import KVCacheGroup, group_layers
+from warmcap.core.reservation import blocks_covering
+from warmcap.drafters.base import DRAFT_GROUP_PREFIX, Drafter, DraftGraphShape
+from warmcap.drafters.heads import HeadLayer, TargetTiedHead
+from warmcap.drafters.paged import DraftPass, StepView, build_metadata, num_drafts_allowed
+from warmcap.models.layers import RMSNorm
+from warmcap.runner_v2.attention.base import AttentionMetadata
+from warmcap.runner_v2.attention.torch_paged import write_kv
+
+if TYPE_CHECKING:
+    from warmcap.config import EngineConfig
+    from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.model_runner import ModelRunner
+
+
+def block_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Every query of row ``r`` sees every key at positions ``< seq_lens[r]`` (no causal mask).
+
+    ``q`` [T, Hq, D] in ``meta``'s row layout; keys are read through the row's block table.
+    """
+    r, bs, t = meta.num_reqs, meta.block_size, q.shape[0]
+    cols = blocks_covering(meta.max_seq_len, bs)
+    qmax = meta.max_query_len
+    _, _, _, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    device = q.device
+    blocks = meta.block_table[:r, :cols].long().reshape(-1)
+    # [R, Hq, K, D]: each row's pages end to end, KV heads repeated for their query heads.
+    keys = kv_cache[0].index_select(0, blocks).view(r, cols * bs, hkv, d).repeat_interleave(hq // hkv, dim=2)
+    values = (
+        kv_cache[1].index_select(0, blocks).view(r, cols * bs, hkv, d).repeat_interleave(hq // hkv, dim=2)
+    )
+    qsl = meta.query_start_loc[: r + 1].long()
+    slot = torch.arange(qmax, device=device)
+    # [R, Qmax] token feeding each padded query slot; padded slots repeat a real token of the row.
+    index = torch.minimum(qsl[:-1, None] + slot[None, :], qsl[1:, None] - 1)
+    visible = torch.arange(cols * bs, device=device)[None, :] < meta.seq_lens[:r, None].long()
+    out = F.scaled_dot_product_attention(
+        q[index].transpose(1, 2),
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+    )  # [R, Hq, Qmax, D]
+    row = torch.repeat_interleave(torch.arange(r, device=device), qsl[1:] - qsl[:-1], output_size=t)
+    return out.transpose(1, 2)[row, torch.arange(t, device=device) - qsl[row]]
+
+
+class DFlashHead(TargetTiedHead):
+    """``fc`` over concatenated target layers + ``hidden_norm`` -> context features; ``layers``
+    of pre-norm blocks whose K/V for context come from those features; final ``norm``; the
+    target's embedding and LM head."""
+
+    def __init__(self, cfg: Any, target: nn.Module, *, num_target_states: int, mask_token_id: int) -> None:
+        super().__init__(cfg, target)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.mask_token_id = mask_token_id
+        self.fc = nn.Linear(num_target_states * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.layers = nn.ModuleList(
+            HeadLayer(cfg, f"layers.{i}.self_attn") for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, eps)
+
+    def write_context(
+        self, features: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], slots: torch.Tensor
+    ) -> None:
+        """Write the context K/V of target ``features`` [Tc, n*H] at ``slots`` in every layer."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            write_kv(cache, k, v, slots)
+
+    def block(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the block queries; returns final-normed hidden states [Tb, H]."""
+        x = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            k, v = attn.kv(h, cos, sin)
+            write_kv(cache, k, v, meta.slot_mapping)
+            o = block_attention(attn.query(h, cos, sin), cache, meta, attn.scale)
+            x = x + attn.o_proj(o.reshape(x.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+class DFlashDrafter(Drafter):
+    """Block-parallel drafter over its own KV group, conditioned on target layers ``aux_layers``."""
+
+    method = "dflash"
+
+    def __init__(self, config: EngineConfig, head: DFlashHead, *, aux_layers: tuple[int, ...]) -> None:
+        super().__init__(config)
+        self.head = head
+        self.aux_layers = aux_layers
+        self.dtype = next(head.parameters()).dtype
+        self._groups: list[KVCacheGroup] = []
+
+    @staticmethod
+    def lookahead_for(num_speculative_tokens: int) -> int:
+        return num_speculative_tokens + 1
+
+    def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
+        specs = self.head.kv_layer_specs(block_size, self.dtype)
+        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in specs.items()}
+        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
+        return list(self._groups)
+
+    def graph_shapes(self) -> list[DraftGraphShape]:
+        return [
+            DraftGraphShape("draft_prefill", None),
+            DraftGraphShape("draft_decode", 1 + self.num_speculative_tokens),
+        ]
+
+    def _caches(self, runner: ModelRunner) -> list[torch.Tensor]:
+        return [
+            runner.kv_caches.tensors[DRAFT_GROUP_PREFIX + a.self_attn.layer_name] for a in self.head.layers
+        ]
+
+    def propose(
+        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
+    ) -> dict[str, list[int]]:
+        view = StepView.from_runner(runner, sampled)
+        if not view.req_ids:
+            return {}
+        (group,) = self._groups
+        device = runner.device
+        caches = self._caches(runner)
+        aux = runner.last_aux_hidden_states
+        if not aux:
+            raise RuntimeError(
+                f"dflash needs the target's hidden states of layers {self.aux_layers}: "
+                "set runner.aux_hidden_state_layers before the first step"
+            )
+        ctx = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
+        rows = torch.from_numpy(view.valid_state_index()).to(device)
+        features = torch.cat(list(aux), dim=-1)[rows].to(self.dtype)
+        meta = build_metadata(runner, [group], ctx, phase="draft_prefill")[group.name]
+        positions = torch.from_numpy(ctx.positions).to(device)
+        self.head.write_context(features, positions, caches, meta.slot_mapping)
+
+        budget = num_drafts_allowed(view, self.num_speculative_tokens, runner.max_model_len)
+        if not (budget > 0).any():
+            return {}
+        blk = DraftPass.spans(
+            view.req_ids, view.rows, view.next_position, np.where(budget > 0, budget + 1, 0)
+        )
+        firsts = blk.query_start_loc[:-1]
+        ids = np.full(blk.num_tokens, self.head.mask_token_id, dtype=np.int64)
+        ids[firsts] = runner.batch.token_ids[blk.rows, blk.positions[firsts]]
+        meta = build_metadata(runner, [group], blk, phase="draft_step_0")[group.name]
+        out = self.head.block(
+            torch.from_numpy(ids).to(device), torch.from_numpy(blk.positions).to(device), caches, meta
+        )
+        mask_rows = np.setdiff1d(np.arange(blk.num_tokens), firsts)
+        tokens = self.head.draft_tokens(out[torch.from_numpy(mask_rows).to(device)]).tolist()
+        drafts: dict[str, list[int]] = {}
+        offset = 0
+        for req_id, n in zip(blk.req_ids, (blk.query_lens - 1).tolist(), strict=True):
+            drafts[req_id] = tokens[offset : offset + n]
+            offset += n
+        return drafts

@@ -1,0 +1,110 @@
+"""An independent causal LM as the drafter (same tokenizer; may be the target checkpoint itself).
+
+Each engine step:
+
+- ``draft_prefill``: the draft LM runs over positions ``start .. P`` with the real tokens (the
+  accepted part of what the target computed, plus the token sampled at ``P``); its last output
+  drafts token 1. A prompt chunk that samples nothing runs over its chunk only.
+- ``draft_step_i`` (i = 1 .. k-1): draft ``i`` at position ``P + i``.
+
+Writes reach at most ``P + k - 1 <= start + scheduled + k - 1``: inside the lookahead k. Rejected
+draft positions are rewritten by the next prefill before anything reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from warmcap.core.kv_spec import KVCacheGroup, group_layers
+from warmcap.drafters.base import DRAFT_GROUP_PREFIX, Drafter, DraftGraphShape
+from warmcap.drafters.paged import (
+    DraftPass,
+    StepView,
+    build_metadata,
+    collect_drafts,
+    draft_context,
+    num_drafts_allowed,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from warmcap.config import EngineConfig
+    from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.model_runner import ModelRunner
+
+
+class DraftModelDrafter(Drafter):
+    """Greedy drafts from a separate LM whose KV lives in ``draft.``-prefixed groups."""
+
+    method = "draft_model"
+
+    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+        super().__init__(config)
+        self.model: Any = model
+        self._groups: list[KVCacheGroup] = []
+        self._layer_names: dict[str, str] = {}
+
+    @staticmethod
+    def lookahead_for(num_speculative_tokens: int) -> int:
+        return num_speculative_tokens
+
+    def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
+        specs = self.model.kv_layer_specs(block_size)
+        self._layer_names = {name: DRAFT_GROUP_PREFIX + name for name in specs}
+        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in specs.items()}
+        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
+        return list(self._groups)
+
+    def graph_shapes(self) -> list[DraftGraphShape]:
+        k = self.num_speculative_tokens
+        shapes = [DraftGraphShape("draft_prefill", None)]
+        if k > 1:
+            shapes.append(DraftGraphShape("draft_decode", 1, repeats=k - 1))
+        return shapes
+
+    def _run(self, runner: ModelRunner, dp: DraftPass, input_ids: torch.Tensor, phase: str) -> torch.Tensor:
+        metas = build_metadata(runner, self._groups, dp, phase=phase)
+        ctx = draft_context(runner, self._groups, metas, self._layer_names)
+        positions = torch.from_numpy(dp.positions).to(runner.device)
+        return self.model.forward(input_ids, positions, ctx)
+
+    def _draft(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).argmax(dim=-1)
+
+    def propose(
+        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
+    ) -> dict[str, list[int]]:
+        view = StepView.from_runner(runner, sampled)
+        if not view.req_ids:
+            return {}
+        device = runner.device
+        budget = num_drafts_allowed(view, self.num_speculative_tokens, runner.max_model_len)
+        lengths = view.num_valid + view.sampled.astype(np.int64)
+        prefill = DraftPass.spans(view.req_ids, view.rows, view.start, lengths)
+        tokens = runner.batch.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions]
+        out = self._run(runner, prefill, torch.from_numpy(tokens).to(device), "draft_prefill")
+
+        active = np.flatnonzero(budget > 0)
+        if active.size == 0:
+            return {}
+        draft = self._draft(out[torch.from_numpy(prefill.last_token_index()[active]).to(device)])
+        drafts = [draft]
+        for i in range(1, self.num_speculative_tokens):
+            keep = budget[active] > i
+            if not keep.any():
+                break
+            active, draft = active[keep], draft[torch.from_numpy(keep).to(device)]
+            dp = DraftPass.spans(
+                [view.req_ids[j] for j in active],
+                view.rows[active],
+                view.next_position[active] + i,
+                np.ones(active.size, dtype=np.int64),
+            )
+            draft = self._draft(self._run(runner, dp, draft, f"draft_step_{i}"))
+            drafts.append(draft)
+        return collect_drafts(view.req_ids, budget, drafts)

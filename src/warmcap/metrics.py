@@ -1,0 +1,136 @@
+"""Speculative-decoding counters, exposed under the Prometheus names vLLM users already scrape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from warmcap.errors import ConfigError
+
+_PREFIX = "vllm:spec_decode_"
+
+# (metric name, help text) in exposition order.
+_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("num_drafts_total", "Number of spec decoding drafts (steps where a request verified drafts)."),
+    ("num_draft_tokens_total", "Number of draft tokens proposed and verified."),
+    ("num_accepted_tokens_total", "Number of draft tokens accepted by the target."),
+)
+_PER_POS = (
+    "num_accepted_tokens_per_pos_total",
+    "Accepted draft tokens by position in the draft (0 = first draft token).",
+)
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items()) + "}"
+
+
+@dataclass(slots=True)
+class SpecDecodeMetrics:
+    """Running totals over every verified draft.
+
+    A *draft* is one request's proposal verified in one step; ``accepted_per_pos[i]`` counts drafts
+    whose first ``i + 1`` tokens were all accepted.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Record one request's step: ``num_accepted`` of its ``num_draft_tokens`` drafts accepted."""
+        if not 0 <= num_accepted <= num_draft_tokens:
+            raise ValueError(f"accepted {num_accepted} of {num_draft_tokens} draft tokens is impossible")
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def merge(self, other: SpecDecodeMetrics) -> None:
+        """Add ``other``'s counts to these (e.g. one engine step into the run's totals)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        extra = len(other.accepted_per_pos) - len(self.accepted_per_pos)
+        if extra > 0:
+            self.accepted_per_pos.extend([0] * extra)
+        for pos, count in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[pos] += count
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens produced per draft step: ``1 + accepted / drafts`` (1.0 before any draft)."""
+        if self.num_drafts == 0:
+            return 1.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over proposed draft tokens (0.0 before any draft)."""
+        if self.num_draft_tokens == 0:
+            return 0.0
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def per_position_rates(self) -> list[float]:
+        """Fraction of drafts whose token at each position was accepted."""
+        if self.num_drafts == 0:
+            return [0.0] * len(self.accepted_per_pos)
+        return [count / self.num_drafts for count in self.accepted_per_pos]
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain numbers for JSON results (same values as the Prometheus counters)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_length": self.acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_rates": self.per_position_rates,
+        }
+
+    def to_prometheus(self, labels: dict[str, str] | None = None) -> str:
+        """Prometheus text exposition (version 0.0.4) of the four counters, with ``labels`` on each
+        sample (e.g. ``{"model_name": ...}``)."""
+        base = dict(labels or {})
+        if "position" in base:
+            raise ConfigError("the label 'position' is reserved for the per-position counter: rename it")
+        values = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+        lines: list[str] = []
+        for (name, help_text), value in zip(_COUNTERS, values, strict=True):
+            full = _PREFIX + name
+            lines += [
+                f"# HELP {full} {help_text}",
+                f"# TYPE {full} counter",
+                f"{full}{_labels(base)} {value}",
+            ]
+        full = _PREFIX + _PER_POS[0]
+        lines += [f"# HELP {full} {_PER_POS[1]}", f"# TYPE {full} counter"]
+        for pos, count in enumerate(self.accepted_per_pos):
+            lines.append(f"{full}{_labels({**base, 'position': str(pos)})} {count}")
+        return "\n".join(lines) + "\n"
+
+
+def format_spec_stats(metrics: SpecDecodeMetrics) -> str:
+    """One human line for the CLI after generation."""
+    if metrics.num_drafts == 0:
+        return "spec decode: no drafts verified"
+    rates = " ".join(f"{r:.2f}" for r in metrics.per_position_rates)
+    return (
+        f"spec decode: acceptance length {metrics.acceptance_length:.2f}, "
+        f"{metrics.num_accepted_tokens}/{metrics.num_draft_tokens} draft tokens accepted "
+        f"({metrics.acceptance_rate:.1%}) over {metrics.num_drafts} drafts; "
+        f"per position: {rates}"
+    )

@@ -1,0 +1,160 @@
+"""The engine against transformers on the same weights: greedy tokens and prompt-final logits, with
+chunked prefill, block-boundary prompts, requests joining and leaving, and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from warmcap.engine import LLM, LLMEngine, RequestOutput
+from warmcap.errors import ConfigError
+from warmcap.models.presets import resolve_model
+from warmcap.sampling_params import SamplingParams
+
+NEW_TOKENS = 32
+# Lengths around the 16-token block boundary; the longest outgrows tiny-mistral's 24-token window.
+PROMPT_LENS = (5, 16, 17, 33, 40)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _hf_reference(path, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokens, logits = [], []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens.append(out.sequences[0, len(prompt) :].tolist())
+        logits.append(out.logits[0][0].float())
+    return tokens, logits
+
+
+def _engine(name: str, *, num_blocks: int = 256, max_tokens_per_step: int = 24) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model=name, dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=max_tokens_per_step, max_model_len=128
+        ),
+    )
+    return LLMEngine(config)
+
+
+def _run_staggered(
+    engine: LLMEngine, prompts: list[list[int]]
+) -> tuple[dict[int, RequestOutput], dict[int, torch.Tensor]]:
+    """Two requests first, the rest join after three steps; every other one stops early."""
+    first_logits: dict[str, torch.Tensor] = {}
+
+    def hook(req_ids, num_logits, logits):
+        for i, req_id in enumerate(r for r, n in zip(req_ids, num_logits, strict=True) if n):
+            first_logits.setdefault(req_id, logits[i].clone())
+
+    engine.runner.logits_hook = hook
+    lengths = [NEW_TOKENS if i % 2 == 0 else NEW_TOKENS // 2 + i for i in range(len(prompts))]
+    ids: dict[str, int] = {}
+
+    def add(i: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+        ids[engine.add_request(prompts[i], params)] = i
+
+    add(0)
+    add(1)
+    done: dict[int, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 3:
+            for i in range(2, len(prompts)):
+                add(i)
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+        steps += 1
+    assert len(done) == len(prompts)
+    return done, {ids[r]: t for r, t in first_logits.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
+def test_greedy_and_logits_match_transformers(name: str) -> None:
+    engine = _engine(name)
+    prompts = _prompts(engine.model.hf_config.vocab_size)
+    expected, expected_logits = _hf_reference(engine.model_path, prompts)
+    done, logits = _run_staggered(engine, prompts)
+    for i, out in done.items():
+        assert out.token_ids == expected[i][: len(out.token_ids)], f"prompt {i}"
+        assert out.finish_reason == "length"
+        torch.testing.assert_close(logits[i], expected_logits[i], atol=1e-4, rtol=1e-4)
+    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_blocks - 1
+
+
+@pytest.mark.slow
+def test_preemption_keeps_outputs_identical_and_frees_every_block() -> None:
+    reference = _engine("tiny-llama")
+    prompts = _prompts(reference.model.hf_config.vocab_size)
+    want, _ = _run_staggered(reference, prompts)
+    # 10 usable blocks cannot hold five requests of up to 72 tokens (5 blocks each) at once.
+    tight = _engine("tiny-llama", num_blocks=11)
+    got, _ = _run_staggered(tight, prompts)
+    assert tight.scheduler.num_preemptions > 0
+    assert {i: o.token_ids for i, o in got.items()} == {i: o.token_ids for i, o in want.items()}
+    assert tight.kv_cache_manager.pool.num_free_blocks == tight.num_blocks - 1
+    tight.step()  # delivers the last finished ids to the runner
+    assert tight.runner.batch.num_reqs == 0
+
+
+def test_llm_api_text_stream_chat_abort_and_hooks() -> None:
+    calls: list[str] = []
+    with pytest.raises(ConfigError, match="block_size"):
+        LLM("tiny-llama", max_num_seq=4)
+    llm = LLM("tiny-llama", device="cpu", max_model_len=128, num_blocks=64, block_size=16)
+    engine = llm.engine
+    assert engine.startup_hooks == []
+    LLMEngine(engine.config, startup_hooks=[lambda e: calls.append("a"), lambda e: calls.append("b")])
+    assert calls == ["a", "b"]
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [out] = llm.generate("The capital of France is", greedy)
+    assert len(out.token_ids) == 8 and out.text == llm.tokenizer.decode(
+        out.token_ids, skip_special_tokens=True
+    )
+    assert out.prompt_token_ids == llm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    assert "".join(llm.generate_stream("The capital of France is", greedy)) == out.text
+    chat = llm.chat([{"role": "user", "content": "hello"}], greedy)
+    [templated] = llm.generate("hello", greedy, use_chat_template=True)
+    assert chat.token_ids == templated.token_ids
+
+    req = engine.add_request([5, 6, 7], SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.abort(req) and not engine.has_unfinished()
+    engine.step()
+    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_blocks - 1
+    assert engine.runner.batch.num_reqs == 0
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_smollm2_greedy_matches_transformers() -> None:
+    path = resolve_model("smollm2-135m")
+    llm = LLM(str(path), device="cpu", max_model_len=256, max_num_batched_tokens=64, num_blocks=128)
+    prompts = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3, 4,"]
+    ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    expected, _ = _hf_reference(path, ids)
+    outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
