@@ -142,7 +142,9 @@ def plan(
         config = config.with_max_model_len(limit or 4096)
     elif limit is not None:
         config.validate_against(model_max_len=limit)
-    groups = build_kv_groups(meta, config)
+    from warmcap.drafters import build_drafter
+
+    groups = build_kv_groups(meta, config, build_drafter(config, meta))
     pool = num_kv_blocks(config, groups, meta_device_for_sizing())
     result = plan_warmup(config, groups, pool)
     if as_json:

@@ -34,6 +34,8 @@ class ModelConfig:
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
+    # No graph capture at start-up (warmup still runs): the escape hatch vLLM users know.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model is empty: pass a preset name (e.g. smollm2-135m) or a path")
