@@ -1,11 +1,14 @@
 """GPU validation of warmcap's graph path: run on a CUDA machine, record the results with a date.
 
-For tiny-llama (with and without ngram speculation) and smollm2-135m, on the torch attention
-backend and on FlashInfer when importable:
-- build the engine, capture every target graph with the ``cuda`` backend, verify each (I4);
-- time graph replay vs the eager forward on the same static inputs (ratio), per graph capture time
-  and memory (free-memory delta);
-- greedy generation before and after capture must be token-identical (and graphs must be used);
+For tiny-llama (plain, ngram, draft_model, eagle3, dflash) and smollm2-135m (plain, draft_model),
+on the torch attention backend and on FlashInfer when importable:
+- build the engine, capture every target graph and every drafter graph (draft_prefill,
+  draft_decode) with the ``cuda`` backend, verify each (I4);
+- time graph replay vs the eager forward on the same static inputs (ratio) for target decode,
+  mixed, draft_decode and draft_prefill graphs; per graph capture time and memory (free-memory
+  delta);
+- greedy generation before and after capture must be token-identical, target graphs must be
+  replayed, and drafter graphs too when the drafter has any;
 then compare the Triton slot-mapping kernel, compiled for real, with the torch reference.
 
 Prints a summary; writes ``gpu_check.json`` into ``$OUT`` when that is set. Exit code 0 when every
@@ -29,7 +32,11 @@ ENGINES: list[tuple[str, str, str | None]] = [
     # (model preset, dtype, speculative spec)
     ("tiny-llama", "float32", None),
     ("tiny-llama", "float32", "ngram:2"),
+    ("tiny-llama", "float32", "draft_model:2"),
+    ("tiny-llama", "float32", "eagle3:2"),
+    ("tiny-llama", "float32", "dflash:2"),
     ("smollm2-135m", "bfloat16", None),
+    ("smollm2-135m", "bfloat16", "draft_model:2"),
 ]
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "def add(a, b):", "Once upon a time"]
 TIMING_ITERS = 20
@@ -47,10 +54,13 @@ def _timed(fn: Any, iters: int) -> float:
 
 
 def _replay_vs_eager(capturer: Any, graphs: list[Any]) -> list[dict[str, Any]]:
-    """Replay and eager forward timings on the same (padding-only) static inputs."""
+    """Replay and eager forward timings on the same (padding-only) static inputs: the largest and
+    smallest graph of each phase (decode, mixed, draft_decode, draft_prefill)."""
     out = []
-    decode = [g for g in graphs if g.spec.descriptor.uniform_query_len is not None]
-    picks = {id(g): g for g in (decode[-1:] + decode[:1] + graphs[:1])}.values()
+    by_phase: dict[str, list[Any]] = {}
+    for g in graphs:
+        by_phase.setdefault(g.spec.phase, []).append(g)  # largest first within a phase
+    picks = {id(g): g for gs in by_phase.values() for g in (gs[:1] + gs[-1:])}.values()
     with torch.inference_mode():
         for g in picks:
             capturer.load(g.spec)
@@ -59,6 +69,7 @@ def _replay_vs_eager(capturer: Any, graphs: list[Any]) -> list[dict[str, Any]]:
             out.append(
                 {
                     "graph": g.spec.label,
+                    "phase": g.spec.phase,
                     "replay_ms": replay * 1e3,
                     "eager_ms": eager * 1e3,
                     "speedup": eager / replay if replay > 0 else None,
@@ -97,6 +108,8 @@ def check_engine(model: str, dtype: str, spec: str | None, attn: str) -> dict[st
 
     after = [o.token_ids for o in engine.generate(PROMPTS, params)]
     replays = sum(startup.graph_runner.replays.values())
+    draft_replays = sum(startup.graph_runner.draft_replays.values())
+    has_draft_graphs = any(g.spec.is_draft for g in startup.result.graphs)
     k = config.num_speculative_tokens
     report = startup.report(
         model=model,
@@ -107,10 +120,15 @@ def check_engine(model: str, dtype: str, spec: str | None, attn: str) -> dict[st
     render(report, Console())
     notes = []
     if replays == 0:
-        notes.append(
-            "generation did not replay any graph: ModelRunner.execute_model lacks the graph_runner hook"
-        )
-    ok = report.totals.all_verified and before == after and replays > 0
+        notes.append("generation did not replay any target graph")
+    if has_draft_graphs and draft_replays == 0:
+        notes.append("generation did not replay any drafter graph")
+    ok = (
+        report.totals.all_verified
+        and before == after
+        and replays > 0
+        and (draft_replays > 0 or not has_draft_graphs)
+    )
     return {
         "model": model,
         "dtype": dtype,
@@ -119,6 +137,7 @@ def check_engine(model: str, dtype: str, spec: str | None, attn: str) -> dict[st
         "ok": ok,
         "generation_identical": before == after,
         "graph_replays_during_generation": replays,
+        "draft_graph_replays_during_generation": draft_replays,
         "replay_vs_eager": timings,
         "report": report.to_dict(),
         "notes": notes,
@@ -199,7 +218,8 @@ def main() -> int:
             line += (
                 f"  graphs={graphs['count']} verified={graphs['all_verified']} capture={graphs['seconds']:.2f}s "
                 f"memory={graphs['bytes'] / 2**20:.1f}MiB generation_identical={e['generation_identical']} "
-                f"replays={e['graph_replays_during_generation']}"
+                f"replays={e['graph_replays_during_generation']} "
+                f"draft_replays={e['draft_graph_replays_during_generation']}"
             )
             for t in e["replay_vs_eager"]:
                 line += (

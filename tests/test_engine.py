@@ -125,7 +125,9 @@ def test_llm_api_text_stream_chat_abort_and_hooks() -> None:
         LLM("tiny-llama", max_num_seq=4)
     llm = LLM("tiny-llama", device="cpu", max_model_len=128, num_blocks=64, block_size=16)
     engine = llm.engine
-    assert engine.startup_hooks == []
+    # start-up runs warmup then graph capture by default, and both leave their results behind
+    assert [h.__name__ for h in engine.startup_hooks] == ["warmup_hook", "graph_capture_hook"]
+    assert engine.warmup_result.audit.ok and engine.graph_startup is not None
     LLMEngine(engine.config, startup_hooks=[lambda e: calls.append("a"), lambda e: calls.append("b")])
     assert calls == ["a", "b"]
 

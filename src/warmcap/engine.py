@@ -18,20 +18,22 @@ import torch
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.core.kv_cache_manager import KVCacheManager
-from warmcap.core.kv_spec import group_layers
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
 from warmcap.drafters import build_drafter
 from warmcap.errors import ConfigError
+from warmcap.graphs.hook import graph_capture_hook
+from warmcap.kv_layout import build_kv_groups
 from warmcap.kv_sizing import num_kv_blocks
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
 from warmcap.sampling_params import SamplingParams
+from warmcap.warmup.hook import warmup_hook
 
 StartupHook = Callable[["LLMEngine"], None]
 
 #: Hooks every new engine runs after it is built, in order (warmup and graph capture register here).
-DEFAULT_STARTUP_HOOKS: list[StartupHook] = []
+DEFAULT_STARTUP_HOOKS: list[StartupHook] = [warmup_hook, graph_capture_hook]
 
 
 @dataclass(slots=True)
@@ -95,6 +97,7 @@ class LLMEngine:
         from warmcap.models.loader import load_hf_config, load_model, load_tokenizer
         from warmcap.runner_v2.attention.selector import select_backend
 
+        t_load = time.perf_counter()
         self.device = resolve_device(config.model.device)
         self.model_path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(self.model_path)
@@ -112,11 +115,8 @@ class LLMEngine:
         self.model = load_model(self.model_path, dtype=TORCH_DTYPES[config.model.dtype], device=self.device)
         self.tokenizer = _try_tokenizer(load_tokenizer, self.model_path)
         self.drafter = build_drafter(config, self.model)
-        self.kv_groups = group_layers(self.model.kv_layer_specs(config.cache.block_size))
-        if self.drafter is not None:
-            # Seam: the drafter's own KV groups join the engine's, so the pool is sized for them and
-            # the manager reserves their blocks by the same rule (and lookahead) as the target's.
-            self.kv_groups += self.drafter.kv_groups(config.cache.block_size)
+        t_kv = time.perf_counter()
+        self.kv_groups = build_kv_groups(self.model, config, self.drafter)
         self.num_blocks = num_kv_blocks(config, self.kv_groups, self.device)
         self.kv_cache_manager = KVCacheManager(
             self.kv_groups,
@@ -141,11 +141,22 @@ class LLMEngine:
         self.spec_metrics = SpecDecodeMetrics()
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        #: seconds per start-up phase: load (weights, tokenizer, drafter), kv_sizing (groups, pool,
+        #: caches, runner buffers), then one entry per hook
+        self.startup_timings: dict[str, float] = {
+            "load": t_kv - t_load,
+            "kv_sizing": time.perf_counter() - t_kv,
+        }
+        self.warmup_result = None
+        self.graph_startup = None
         self.startup_hooks: list[StartupHook] = list(
             DEFAULT_STARTUP_HOOKS if startup_hooks is None else startup_hooks
         )
         for hook in self.startup_hooks:
+            t_hook = time.perf_counter()
             hook(self)
+            name = getattr(hook, "__name__", None) or getattr(getattr(hook, "func", None), "__name__", "hook")
+            self.startup_timings[name] = time.perf_counter() - t_hook
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -275,6 +286,7 @@ _KWARG_TARGETS: dict[str, tuple[str, str]] = {
     "dtype": ("model", "dtype"),
     "device": ("model", "device"),
     "seed": ("model", "seed"),
+    "enforce_eager": ("model", "enforce_eager"),
     "block_size": ("cache", "block_size"),
     "num_blocks": ("cache", "num_blocks"),
     "memory_fraction": ("cache", "memory_fraction"),

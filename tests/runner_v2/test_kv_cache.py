@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from warmcap.core.kv_spec import FullAttentionSpec, KVCacheGroup, MLASpec, SlidingWindowSpec
+from warmcap.core.kv_spec import (
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    IndexerSpec,
+    KVCacheGroup,
+    MambaSpec,
+    MLASpec,
+    SlidingWindowSpec,
+)
 from warmcap.errors import ModelLoadError
 from warmcap.runner_v2.kv_cache import KVCaches
 
@@ -29,7 +37,27 @@ def test_layout_has_a_sink_block_and_scrub_zeroes_only_given_blocks() -> None:
     assert caches.tensors["l1"][:, 2].eq(0).all()
 
 
+def test_latent_indexer_and_mamba_layouts_are_scrubbed_per_block() -> None:
+    mla = MLASpec(block_size=4, kv_lora_rank=6, qk_rope_head_dim=2)
+    indexer = IndexerSpec(block_size=4, head_size=5)
+    mamba = MambaSpec(block_size=64, state_shapes=((3, 2), (2, 2, 4)), num_speculative_blocks=1)
+    groups = [
+        KVCacheGroup("mla", mla, ("a",)),
+        KVCacheGroup("indexer", indexer, ("a.indexer",)),
+        KVCacheGroup("mamba", mamba, ("m",)),
+    ]
+    caches = KVCaches(groups, num_blocks=5, dtype=torch.float32, device="cpu")
+    shapes = {name: tuple(t.shape) for name, t in caches.tensors.items()}
+    assert shapes == {"a": (6, 4, 8), "a.indexer": (6, 4, 5), "m": (6, 6 + 16)}
+    assert caches.bytes_per_block == mla.page_size_bytes + indexer.page_size_bytes + mamba.page_size_bytes
+    for t in caches.tensors.values():
+        t.fill_(1.0)
+    caches.zero_blocks([2, 5])  # a used block and the sink
+    for t in caches.tensors.values():
+        assert t[[2, 5]].eq(0).all() and t[[0, 1, 3, 4]].eq(1).all()
+
+
 def test_unregistered_kind_names_the_known_ones() -> None:
-    group = KVCacheGroup("mla", MLASpec(block_size=4), ("l0",))
-    with pytest.raises(ModelLoadError, match="known: \\['full', 'sliding_window'"):
+    group = KVCacheGroup("cross_attention", CrossAttentionSpec(block_size=4), ("l0",))
+    with pytest.raises(ModelLoadError, match="known: \\['full', 'indexer', 'mamba', 'mla', 'sliding_window'"):
         KVCaches([group], num_blocks=3, dtype=torch.float32, device="cpu")

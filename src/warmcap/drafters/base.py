@@ -10,12 +10,17 @@ from typing import TYPE_CHECKING, ClassVar
 from warmcap.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from warmcap.config import EngineConfig
     from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 DRAFT_GROUP_PREFIX = "draft."
+DRAFT_PREFILL = "draft_prefill"
+DRAFT_DECODE = "draft_decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +86,33 @@ class Drafter(ABC):
     def graph_shapes(self) -> list[DraftGraphShape]:
         """The forwards to capture as drafter graphs (none for drafters without a model)."""
         return []
+
+    # ---- the graph seam: drafters with ``graph_shapes`` implement these -------------------------
+
+    def graph_groups(self) -> list[KVCacheGroup]:
+        """The drafter KV groups its passes attend over and write (their metadata is static in a
+        graph)."""
+        return []
+
+    def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
+        """Width and dtype of the hidden-state input of ``phase`` passes; None when they read token
+        ids and positions only."""
+        return None
+
+    def forward_pass(
+        self,
+        runner: ModelRunner,
+        phase: str,
+        metas: dict[str, AttentionMetadata],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One ``phase`` pass over the given inputs and metadata, eagerly; returns ``[T, H]``. Graph
+        capture records exactly this call over static buffers."""
+        raise NotImplementedError(f"{type(self).__name__} has no model pass (graph_shapes() is empty)")
+
+    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor | None:
+        """The draft token each output row of a ``phase`` pass would propose (None when the pass
+        only writes context), for graph verification."""
+        return None

@@ -19,9 +19,9 @@ from torch import nn
 
 from warmcap.core.kv_spec import KVCacheGroup, group_layers
 from warmcap.core.reservation import blocks_covering
-from warmcap.drafters.base import DRAFT_GROUP_PREFIX, Drafter, DraftGraphShape
+from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
-from warmcap.drafters.paged import DraftPass, StepView, build_metadata, num_drafts_allowed
+from warmcap.drafters.paged import DraftPass, StepView, num_drafts_allowed, run_pass
 from warmcap.models.layers import RMSNorm
 from warmcap.runner_v2.attention.base import AttentionMetadata
 from warmcap.runner_v2.attention.torch_paged import write_kv
@@ -85,13 +85,15 @@ class DFlashHead(TargetTiedHead):
 
     def write_context(
         self, features: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor], slots: torch.Tensor
-    ) -> None:
-        """Write the context K/V of target ``features`` [Tc, n*H] at ``slots`` in every layer."""
+    ) -> torch.Tensor:
+        """Write the context K/V of target ``features`` [Tc, n*H] at ``slots`` in every layer;
+        returns the context states [Tc, H] they were derived from."""
         ctx = self.hidden_norm(self.fc(features))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
             k, v = layer.self_attn.kv(ctx, cos, sin)
             write_kv(cache, k, v, slots)
+        return ctx
 
     def block(
         self,
@@ -138,9 +140,40 @@ class DFlashDrafter(Drafter):
 
     def graph_shapes(self) -> list[DraftGraphShape]:
         return [
-            DraftGraphShape("draft_prefill", None),
-            DraftGraphShape("draft_decode", 1 + self.num_speculative_tokens),
+            DraftGraphShape(DRAFT_PREFILL, None),
+            DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens),
         ]
+
+    def graph_groups(self) -> list[KVCacheGroup]:
+        return list(self._groups)
+
+    def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
+        if phase != DRAFT_PREFILL:
+            return None
+        return self.head.fc.in_features, self.dtype
+
+    def forward_pass(
+        self,
+        runner: ModelRunner,
+        phase: str,
+        metas: dict[str, AttentionMetadata],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``draft_prefill``: write context K/V from ``features`` (returns the context states);
+        ``draft_decode``: the block queries over ``input_ids``."""
+        (group,) = self._groups
+        meta = metas[group.name]
+        caches = self._caches(runner)
+        if phase == DRAFT_PREFILL:
+            if features is None:
+                raise ValueError("dflash context passes need the target's hidden-state features")
+            return self.head.write_context(features.to(self.dtype), positions, caches, meta.slot_mapping)
+        return self.head.block(input_ids, positions, caches, meta)
+
+    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor | None:
+        return self.head.draft_tokens(output) if phase == DRAFT_DECODE else None
 
     def _caches(self, runner: ModelRunner) -> list[torch.Tensor]:
         return [
@@ -153,9 +186,7 @@ class DFlashDrafter(Drafter):
         view = StepView.from_runner(runner, sampled)
         if not view.req_ids:
             return {}
-        (group,) = self._groups
         device = runner.device
-        caches = self._caches(runner)
         aux = runner.last_aux_hidden_states
         if not aux:
             raise RuntimeError(
@@ -165,9 +196,16 @@ class DFlashDrafter(Drafter):
         ctx = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
         rows = torch.from_numpy(view.valid_state_index()).to(device)
         features = torch.cat(list(aux), dim=-1)[rows].to(self.dtype)
-        meta = build_metadata(runner, [group], ctx, phase="draft_prefill")[group.name]
-        positions = torch.from_numpy(ctx.positions).to(device)
-        self.head.write_context(features, positions, caches, meta.slot_mapping)
+        empty = torch.zeros(ctx.num_tokens, dtype=torch.int64, device=device)
+        run_pass(
+            runner,
+            self,
+            ctx,
+            phase=DRAFT_PREFILL,
+            log_phase=DRAFT_PREFILL,
+            input_ids=empty,
+            features=features,
+        )
 
         budget = num_drafts_allowed(view, self.num_speculative_tokens, runner.max_model_len)
         if not (budget > 0).any():
@@ -178,9 +216,13 @@ class DFlashDrafter(Drafter):
         firsts = blk.query_start_loc[:-1]
         ids = np.full(blk.num_tokens, self.head.mask_token_id, dtype=np.int64)
         ids[firsts] = runner.batch.token_ids[blk.rows, blk.positions[firsts]]
-        meta = build_metadata(runner, [group], blk, phase="draft_step_0")[group.name]
-        out = self.head.block(
-            torch.from_numpy(ids).to(device), torch.from_numpy(blk.positions).to(device), caches, meta
+        out = run_pass(
+            runner,
+            self,
+            blk,
+            phase=DRAFT_DECODE,
+            log_phase="draft_step_0",
+            input_ids=torch.from_numpy(ids).to(device),
         )
         mask_rows = np.setdiff1d(np.arange(blk.num_tokens), firsts)
         tokens = self.head.draft_tokens(out[torch.from_numpy(mask_rows).to(device)]).tolist()

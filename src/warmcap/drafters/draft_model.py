@@ -19,22 +19,25 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from warmcap.core.kv_spec import KVCacheGroup, group_layers
-from warmcap.drafters.base import DRAFT_GROUP_PREFIX, Drafter, DraftGraphShape
+from warmcap.core.kv_spec import KVCacheGroup, MambaSpec, group_layers
+from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
 from warmcap.drafters.paged import (
     DraftPass,
     StepView,
-    build_metadata,
     collect_drafts,
     draft_context,
     num_drafts_allowed,
+    run_pass,
 )
+from warmcap.kv_layout import layer_specs
+from warmcap.runner_v2.mamba_state import MambaMetadata, draft_state_metadata
 
 if TYPE_CHECKING:
     from torch import nn
 
     from warmcap.config import EngineConfig
     from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
@@ -54,7 +57,7 @@ class DraftModelDrafter(Drafter):
         return num_speculative_tokens
 
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
-        specs = self.model.kv_layer_specs(block_size)
+        specs = layer_specs(self.model, self.config, block_size)
         self._layer_names = {name: DRAFT_GROUP_PREFIX + name for name in specs}
         prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in specs.items()}
         self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
@@ -62,16 +65,38 @@ class DraftModelDrafter(Drafter):
 
     def graph_shapes(self) -> list[DraftGraphShape]:
         k = self.num_speculative_tokens
-        shapes = [DraftGraphShape("draft_prefill", None)]
+        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
         if k > 1:
-            shapes.append(DraftGraphShape("draft_decode", 1, repeats=k - 1))
+            shapes.append(DraftGraphShape(DRAFT_DECODE, 1, repeats=k - 1))
         return shapes
 
-    def _run(self, runner: ModelRunner, dp: DraftPass, input_ids: torch.Tensor, phase: str) -> torch.Tensor:
-        metas = build_metadata(runner, self._groups, dp, phase=phase)
+    def graph_groups(self) -> list[KVCacheGroup]:
+        return list(self._groups)
+
+    def forward_pass(
+        self,
+        runner: ModelRunner,
+        phase: str,
+        metas: dict[str, AttentionMetadata],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor | None,
+    ) -> torch.Tensor:
+        metas = dict(metas)
+        for group in self._groups:
+            # Graph passes arrive with plain metadata: a Mamba draft LM needs its state columns.
+            if isinstance(group.spec, MambaSpec) and not isinstance(metas[group.name], MambaMetadata):
+                tables, known = runner.batch.block_tables[group.name].table, runner.batch.num_tokens
+                metas[group.name] = draft_state_metadata(group.spec, metas[group.name], tables, known)[0]
         ctx = draft_context(runner, self._groups, metas, self._layer_names)
-        positions = torch.from_numpy(dp.positions).to(runner.device)
         return self.model.forward(input_ids, positions, ctx)
+
+    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
+        return self._draft(output)
+
+    def _run(self, runner: ModelRunner, dp: DraftPass, input_ids: torch.Tensor, phase: str) -> torch.Tensor:
+        kind = DRAFT_PREFILL if phase == DRAFT_PREFILL else DRAFT_DECODE
+        return run_pass(runner, self, dp, phase=kind, log_phase=phase, input_ids=input_ids)
 
     def _draft(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).argmax(dim=-1)
@@ -87,7 +112,7 @@ class DraftModelDrafter(Drafter):
         lengths = view.num_valid + view.sampled.astype(np.int64)
         prefill = DraftPass.spans(view.req_ids, view.rows, view.start, lengths)
         tokens = runner.batch.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions]
-        out = self._run(runner, prefill, torch.from_numpy(tokens).to(device), "draft_prefill")
+        out = self._run(runner, prefill, torch.from_numpy(tokens).to(device), DRAFT_PREFILL)
 
         active = np.flatnonzero(budget > 0)
         if active.size == 0:

@@ -8,6 +8,8 @@
 - ``eagle`` / ``eagle3`` / ``mtp`` / ``dflash``: a head directory (``config.json`` optional, weights
   in safetensors) or ``random`` / nothing for deterministic random weights (seeded from the
   engine seed), shaped after the target.
+- ``mtp`` on a DeepSeek checkpoint that carries MTP layers (``num_nextn_predict_layers`` > 0) and no
+  head directory: the checkpoint's own first MTP layer (:class:`DeepseekMTPHead`).
 """
 
 from __future__ import annotations
@@ -21,10 +23,19 @@ import torch
 
 from warmcap.drafters.dflash import DFlashDrafter, DFlashHead
 from warmcap.drafters.draft_model import DraftModelDrafter
-from warmcap.drafters.heads import Eagle3Head, EagleHead, MTPHead, TargetTiedHead, eagle3_aux_layers
+from warmcap.drafters.heads import (
+    DeepseekMTPHead,
+    Eagle3Head,
+    EagleHead,
+    MTPHead,
+    TargetTiedHead,
+    eagle3_aux_layers,
+)
 from warmcap.drafters.hidden import HIDDEN_DRAFTERS, head_kwargs
 from warmcap.drafters.ngram import NgramDrafter
 from warmcap.errors import ConfigError, ModelLoadError
+from warmcap.models.deepseek_v3 import DeepseekV3ForCausalLM, mtp_layer_state, num_mtp_layers
+from warmcap.models.moe import DeepseekMoE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -130,9 +141,15 @@ def _head_path(spec_model: str | None) -> Path | None:
 
 
 def build_head(
-    method: str, target: nn.Module, spec_model: str | None, *, seed: int
+    method: str,
+    target: nn.Module,
+    spec_model: str | None,
+    *,
+    seed: int,
+    target_path: Path | None = None,
 ) -> tuple[TargetTiedHead, tuple[int, ...]]:
-    """The head for ``method`` and the target layers it reads (empty: the final hidden state)."""
+    """The head for ``method`` and the target layers it reads (empty: the final hidden state).
+    ``target_path`` is the target's checkpoint directory, where DeepSeek keeps its MTP layers."""
     path = _head_path(spec_model)
     cfg = _head_config(target, path)
     state = _read_state(path) if path is not None else None
@@ -147,6 +164,11 @@ def build_head(
     elif method == "eagle3":
         head = Eagle3Head(cfg, target, **head_kwargs(method, state or {}))
         aux = aux or default_aux
+    elif method == "mtp" and isinstance(target, DeepseekV3ForCausalLM):
+        head, aux = DeepseekMTPHead(cfg, target), ()
+        planning = next(target.parameters()).device.type == "meta"
+        if spec_model is None and num_mtp_layers(target.hf_config) and target_path and not planning:
+            state = mtp_layer_state(target_path, target.hf_config)
     elif method == "mtp":
         head, aux = MTPHead(cfg, target), ()
     else:
@@ -158,11 +180,18 @@ def build_head(
             cfg, target, num_target_states=len(aux), mask_token_id=int(mask if mask is not None else 0)
         )
     head.to(target.dtype)
+    for module in head.modules():
+        if isinstance(module, DeepseekMoE):
+            # As in the target: routing stays in float32 whatever the activation dtype.
+            module.gate.float()
+    device = next(target.parameters()).device
+    if device.type == "meta":
+        # Planning without weights: only the head's shapes (its KV layer specs) matter.
+        return head.to(device).eval(), aux
     if state is None:
         randomize(head, seed)
     else:
         load_head_state(head, state)
-    device = next(target.parameters()).device
     return head.to(device).eval(), aux
 
 
@@ -171,15 +200,31 @@ def _draft_lm(config: EngineConfig, target: nn.Module, spec_model: str | None) -
     from warmcap.models.presets import resolve_model
 
     name = spec_model if spec_model not in (None, "self") else config.model.model
-    path = Path(name).expanduser() if Path(name).expanduser().is_dir() else Path(resolve_model(name))
     device = next(target.parameters()).device
-    model = load_model(path, dtype=target.dtype, device=device)
+    planning = device.type == "meta"
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        path = Path(resolve_model(name, config_only=planning))
+    if planning:
+        from warmcap.kv_layout import meta_model
+
+        model = meta_model(path, config)[0]
+    else:
+        model = load_model(path, dtype=target.dtype, device=device)
     if model.hf_config.vocab_size != target.hf_config.vocab_size:
         raise ConfigError(
             f"draft model {name!r} has vocabulary {model.hf_config.vocab_size} but the target has "
             f"{target.hf_config.vocab_size}: use a draft model with the target's tokenizer"
         )
     return model
+
+
+def _target_path(config: EngineConfig) -> Path:
+    """The target's checkpoint directory (a preset is already built by the time drafters are)."""
+    from warmcap.models.presets import resolve_model
+
+    path = Path(config.model.model).expanduser()
+    return path if path.is_dir() else Path(resolve_model(config.model.model))
 
 
 def build_drafter(config: EngineConfig, target: nn.Module) -> Drafter | None:
@@ -191,7 +236,10 @@ def build_drafter(config: EngineConfig, target: nn.Module) -> Drafter | None:
         return NgramDrafter(config)
     if spec.method == "draft_model":
         return DraftModelDrafter(config, _draft_lm(config, target, spec.model))
-    head, aux = build_head(spec.method, target, spec.model, seed=config.model.seed + 1)
+    target_path = _target_path(config) if spec.method == "mtp" else None
+    head, aux = build_head(
+        spec.method, target, spec.model, seed=config.model.seed + 1, target_path=target_path
+    )
     if spec.method == "dflash":
         assert isinstance(head, DFlashHead)
         return DFlashDrafter(config, head, aux_layers=aux)

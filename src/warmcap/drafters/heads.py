@@ -11,6 +11,8 @@ follow the public checkpoint layouts so a head directory loads one-to-one:
   vocabulary and ``d2t`` (draft id -> target id offset).
 - MTP (DeepSeek style): ``enorm`` / ``hnorm``, ``eh_proj`` over ``[enorm(embed); hnorm(hidden)]``,
   one decoder layer ``layer.*``, ``shared_head.norm``; embedding and LM head shared with the target.
+  On a DeepSeek target (:class:`DeepseekMTPHead`) the layer is a DeepSeek layer (MLA + MoE) and the
+  weights are the checkpoint's own MTP layer (``model.layers.{num_hidden_layers}.*``).
 """
 
 from __future__ import annotations
@@ -21,14 +23,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from warmcap.core.kv_spec import FullAttentionSpec, KVSpec
+from warmcap.core.kv_spec import FullAttentionSpec, IndexerSpec, KVSpec, MLASpec
+from warmcap.models.deepseek_v3 import DeepseekDecoderLayer
 from warmcap.models.layers import GatedMLP, RMSNorm
-from warmcap.models.rope import RotaryEmbedding, apply_rope
+from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 from warmcap.runner_v2.attention.base import ForwardContext
 
 
 def _head_dim(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def head_rotary(cfg: Any, head_dim: int) -> RotaryEmbedding:
+    """The target's RoPE for a head's own (Llama-style) attention, over the whole head: a target
+    that rotates only part of each head (Bamba's ``partial_rotary_factor``) gives its base only."""
+    params = rope_parameters(cfg)
+    if params.get("partial_rotary_factor", 1.0) == 1.0:
+        return RotaryEmbedding.from_config(cfg, head_dim)
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, device="cpu").to(torch.float32) / head_dim
+    return RotaryEmbedding(head_dim, "default", base, 1.0 / (base**exponents))
 
 
 class HeadAttention(nn.Module):
@@ -114,11 +128,16 @@ class TargetTiedHead(nn.Module):
         self.cfg = cfg
         # NOTE: plain attributes, not submodules: the target owns these weights.
         object.__setattr__(self, "target", target)
-        self.rotary = RotaryEmbedding.from_config(cfg, _head_dim(cfg))
+        self.rotary = head_rotary(cfg, _head_dim(cfg))
 
     @property
     def attention_layers(self) -> list[HeadAttention]:
         return [m for m in self.modules() if isinstance(m, HeadAttention)]
+
+    @property
+    def kv_layer_names(self) -> list[str]:
+        """Layer names the head's forward passes to its KV caches (keys of ``kv_layer_specs``)."""
+        return [a.layer_name for a in self.attention_layers]
 
     def kv_layer_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVSpec]:
         return {a.layer_name: a.spec(block_size, dtype) for a in self.attention_layers}
@@ -214,3 +233,55 @@ class MTPHead(DraftHead):
 def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """Target layers whose inputs EAGLE-3 fuses: low, middle and high (the usual choice)."""
     return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+class DeepseekMTPHead(DraftHead):
+    """DeepSeek-V3 multi-token prediction: ``eh_proj([enorm(embed); hnorm(h)])`` -> one DeepSeek
+    decoder layer (MLA over its own latent cache, MoE) -> ``shared_head.norm`` -> target LM head.
+
+    The layer keeps the checkpoint's index (``model.layers.{num_hidden_layers}``), so its KV group is
+    ``draft.mla`` (plus ``draft.indexer`` on a sparse V3.2 target).
+    """
+
+    def __init__(self, cfg: Any, target: nn.Module) -> None:
+        super().__init__(cfg, target)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        # The target's RoPE (qk_rope_head_dim wide, YaRN-scaled as configured).
+        self.rotary = target.rotary
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = DeepseekDecoderLayer(
+            target.hf_config, target.hf_config.num_hidden_layers, target.mla_backend
+        )
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, eps)
+
+    @property
+    def kv_layer_names(self) -> list[str]:
+        return list(self.kv_layer_specs(1, torch.float32))
+
+    def kv_layer_specs(self, block_size: int, dtype: torch.dtype) -> dict[str, KVSpec]:
+        cfg = self.target.hf_config
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        attn = self.layer.self_attn
+        specs: dict[str, KVSpec] = {
+            attn.layer_name: MLASpec(
+                block_size, dtype_bytes, kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim
+            )
+        }
+        if attn.indexer is not None:
+            specs[attn.indexer.layer_name] = IndexerSpec(
+                block_size, dtype_bytes, head_size=cfg.index_head_dim
+            )
+        return specs
+
+    def step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        x = self.eh_proj(torch.cat([self.enorm(self.embed(input_ids)), self.hnorm(hidden)], dim=-1))
+        return self.layer(x, cos, sin, ctx)
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(self.shared_head.norm(hidden)).argmax(dim=-1)

@@ -21,20 +21,21 @@ import numpy as np
 import torch
 
 from warmcap.core.kv_spec import KVCacheGroup, group_layers
-from warmcap.drafters.base import DRAFT_GROUP_PREFIX, Drafter, DraftGraphShape
+from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
 from warmcap.drafters.heads import DraftHead
 from warmcap.drafters.paged import (
     DraftPass,
     StepView,
-    build_metadata,
     collect_drafts,
     draft_context,
     num_drafts_allowed,
+    run_pass,
 )
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
     from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
@@ -63,10 +64,39 @@ class HiddenStateDrafter(Drafter):
 
     def graph_shapes(self) -> list[DraftGraphShape]:
         k = self.num_speculative_tokens
-        shapes = [DraftGraphShape("draft_prefill", None)]
+        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
         if k > 1:
-            shapes.append(DraftGraphShape("draft_decode", 1, repeats=k - 1))
+            shapes.append(DraftGraphShape(DRAFT_DECODE, 1, repeats=k - 1))
         return shapes
+
+    def graph_groups(self) -> list[KVCacheGroup]:
+        return list(self._groups)
+
+    def feature_spec(self, phase: str) -> tuple[int, torch.dtype]:
+        # The prefill reads target features (EAGLE-3: its aux layers side by side); later steps
+        # read the head's own output.
+        width = self.head.cfg.hidden_size
+        if phase == DRAFT_PREFILL and self.aux_layers:
+            width *= len(self.aux_layers)
+        return width, self.dtype
+
+    def forward_pass(
+        self,
+        runner: ModelRunner,
+        phase: str,
+        metas: dict[str, AttentionMetadata],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if features is None:
+            raise ValueError(f"{self.method} passes need hidden-state features")
+        names = {name: DRAFT_GROUP_PREFIX + name for name in self.head.kv_layer_names}
+        ctx = draft_context(runner, self._groups, metas, names)
+        return self.head.step(input_ids, positions, features.to(self.dtype), ctx)
+
+    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_tokens(output)
 
     def target_states(self, runner: ModelRunner) -> torch.Tensor:
         """The target features of the latest step ``[T, H * n]`` the head's first step reads."""
@@ -83,11 +113,8 @@ class HiddenStateDrafter(Drafter):
     def _run(
         self, runner: ModelRunner, dp: DraftPass, input_ids: torch.Tensor, hidden: torch.Tensor, phase: str
     ) -> torch.Tensor:
-        metas = build_metadata(runner, self._groups, dp, phase=phase)
-        names = {a.layer_name: DRAFT_GROUP_PREFIX + a.layer_name for a in self.head.attention_layers}
-        ctx = draft_context(runner, self._groups, metas, names)
-        positions = torch.from_numpy(dp.positions).to(runner.device)
-        return self.head.step(input_ids, positions, hidden.to(self.dtype), ctx)
+        kind = DRAFT_PREFILL if phase == DRAFT_PREFILL else DRAFT_DECODE
+        return run_pass(runner, self, dp, phase=kind, log_phase=phase, input_ids=input_ids, features=hidden)
 
     def propose(
         self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
@@ -101,7 +128,7 @@ class HiddenStateDrafter(Drafter):
         # Token one to the right of each position: the next prompt token or the sampled token.
         tokens = runner.batch.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions + 1]
         features = self.target_states(runner)[torch.from_numpy(view.valid_state_index()).to(device)]
-        out = self._run(runner, prefill, torch.from_numpy(tokens).to(device), features, "draft_prefill")
+        out = self._run(runner, prefill, torch.from_numpy(tokens).to(device), features, DRAFT_PREFILL)
 
         active = np.flatnonzero(budget > 0)
         if active.size == 0:

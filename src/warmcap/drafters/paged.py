@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from warmcap.core.kv_spec import MambaSpec
 from warmcap.runner_v2.attention.base import AttentionMetadata, ForwardContext
 from warmcap.runner_v2.kv_writes import KVWriteRecord
+from warmcap.runner_v2.mamba_state import draft_state_metadata, state_write_slots
 from warmcap.runner_v2.slot_mapping import slot_mapping
 
 if TYPE_CHECKING:
     from warmcap.core.kv_spec import KVCacheGroup
+    from warmcap.drafters.base import Drafter
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
@@ -168,6 +171,12 @@ def build_metadata(
             query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_cpu,
         )
+        record = (torch.from_numpy(dp.positions.copy()), slots[group.name].cpu().clone())
+        if isinstance(group.spec, MambaSpec):
+            # A draft LM's Mamba layers keep state columns; the audit sees their state writes.
+            rows, known = runner.batch.block_tables[group.name].table, runner.batch.num_tokens
+            metas[group.name], plans = draft_state_metadata(group.spec, metas[group.name], rows, known)
+            record = state_write_slots(metas[group.name], plans)
         if runner.record_kv_writes:
             runner.kv_write_log.add(
                 KVWriteRecord(
@@ -175,13 +184,37 @@ def build_metadata(
                     group=group.name,
                     req_ids=list(dp.req_ids),
                     query_start_loc=dp.query_start_loc.tolist(),
-                    positions=torch.from_numpy(dp.positions.copy()),
-                    slot_mapping=slots[group.name].cpu().clone(),
+                    positions=record[0],
+                    slot_mapping=record[1],
                     step=runner.num_steps,
                     block_ids={r: table.row(int(row)) for r, row in zip(dp.req_ids, dp.rows, strict=True)},
                 )
             )
     return metas
+
+
+def run_pass(
+    runner: ModelRunner,
+    drafter: Drafter,
+    dp: DraftPass,
+    *,
+    phase: str,
+    log_phase: str,
+    input_ids: torch.Tensor,
+    features: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One drafter pass (``phase`` ``draft_prefill`` or ``draft_decode``) over ``dp``: replayed
+    from a captured drafter graph when ``runner.graph_runner`` has one that fits, else run eagerly
+    over metadata built for ``dp``. Either way its slot mappings are logged under ``log_phase``
+    when recording is on."""
+    graphs = getattr(runner, "graph_runner", None)
+    if graphs is not None:
+        out = graphs.draft_forward(drafter, phase, dp, input_ids, features, log_phase)
+        if out is not None:
+            return out
+    metas = build_metadata(runner, drafter.graph_groups(), dp, phase=log_phase)
+    positions = torch.from_numpy(dp.positions).to(runner.device)
+    return drafter.forward_pass(runner, phase, metas, input_ids, positions, features)
 
 
 def draft_context(

@@ -1,14 +1,20 @@
-"""Graph capture over the runner's static buffers: ``cuda`` records, ``static`` and ``compile`` don't.
+"""Graph capture over static buffers: ``cuda`` records, ``static`` and ``compile`` don't.
 
-Order (DESIGN.md, Graphs): one eager pass over every shape first, then capture largest first into
-one shared memory pool. Capture inputs are benign all-padding batches (every slot PAD, every row
-``seq_len`` 0), so capture writes nothing but the sink block.
+Order (DESIGN.md, Graphs): one eager pass over every shape first (target and drafter), then capture
+largest first into one shared memory pool, target graphs before drafter graphs. Capture inputs are
+benign all-padding batches (every slot PAD, every row ``seq_len`` 0), so capture writes nothing
+but the sink block. Each shape keeps the metadata objects of its eager pass: backends that plan
+per metadata object (FlashInfer) find the plan the eager pass made.
+
+Target graphs output the final hidden states and, when the runner asks for them (EAGLE-3,
+DFlash), the auxiliary hidden states of its ``aux_hidden_state_layers`` as further static outputs.
+Drafter graphs run :meth:`Drafter.forward_pass` over :class:`DraftStatics`.
 
 Backends:
 - ``cuda``: ``torch.cuda.CUDAGraph`` per shape, one ``graph_pool_handle()`` pool; needs
   ``torch.cuda.is_available()`` and a runner on a CUDA device.
 - ``static``: the same code path over the same static buffers without recording; replay runs the
-  eager forward on the static buffers and copies into the graph's static output. It proves the
+  eager forward on the static buffers and copies into the graph's static outputs. It proves the
   padding and buffer handling on any machine, not CUDA-graph speed.
 - ``compile``: ``torch.compile`` of the forward per shape over the static buffers (no graph).
 """
@@ -23,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.planning import GraphPlan, GraphSpec, plan_target_graphs
-from warmcap.graphs.static_inputs import empty_step, ensure_spare_row, graph_metadata, load_padded
+from warmcap.graphs.planning import GraphPlan, GraphSpec, plan_draft_graphs, plan_target_graphs
+from warmcap.graphs.static_inputs import DraftStatics, empty_step, graph_metadata, load_padded
 
 if TYPE_CHECKING:
     from warmcap.runner_v2.attention.base import AttentionMetadata
@@ -32,10 +38,13 @@ if TYPE_CHECKING:
 
 GRAPH_BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
 
+#: ``(output, aux outputs)`` of one pass
+Outputs = tuple[torch.Tensor, list[torch.Tensor]]
+
 
 @dataclass(slots=True)
 class CapturedGraph:
-    """One captured shape: its static metadata and output, and how to replay it."""
+    """One captured shape: its static metadata and outputs, and how to replay it."""
 
     spec: GraphSpec
     metas: dict[str, AttentionMetadata]
@@ -43,23 +52,34 @@ class CapturedGraph:
     replay_fn: Callable[[], None]
     capture_seconds: float = 0.0
     memory_bytes: int = 0
+    #: static auxiliary hidden states ``[num_tokens, H]`` (target graphs of EAGLE-3 / DFlash runners)
+    aux: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class CaptureResult:
-    """Every captured graph (largest first), the plan, and the order things ran in."""
+    """Every captured graph (target largest first, then drafter largest first), the plans, and the
+    order things ran in."""
 
     plan: GraphPlan
     graphs: list[CapturedGraph]
     #: ``("eager" | "capture", label)`` in the order they ran
     order: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    draft_plan: GraphPlan = field(default_factory=lambda: GraphPlan([], [], []))
 
 
 class GraphCapturer:
-    """Captures the target graphs of ``runner`` with one backend."""
+    """Captures the target graphs of ``runner`` and its drafter's graphs with one backend."""
 
-    def __init__(self, runner: ModelRunner, backend: str = "cuda", *, capture_sizes: list[int] | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        backend: str = "cuda",
+        *,
+        capture_sizes: list[int] | None = None,
+        drafter_graphs: bool = True,
+    ):
         if backend not in GRAPH_BACKENDS:
             raise ConfigError(f"unknown graph backend {backend!r}: use one of {', '.join(GRAPH_BACKENDS)}")
         if backend == "cuda" and not (torch.cuda.is_available() and runner.device.type == "cuda"):
@@ -70,45 +90,66 @@ class GraphCapturer:
         self.runner = runner
         self.backend = backend
         self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes)
-        ensure_spare_row(runner)
+        self.draft_plan = plan_draft_graphs(runner, self.plan) if drafter_graphs else GraphPlan([], [], [])
+        self.drafts: DraftStatics | None = (
+            DraftStatics.for_runner(runner, runner.drafter) if self.draft_plan.specs else None
+        )
+        self._metas: dict[str, dict[str, AttentionMetadata]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if backend == "cuda" else None
 
     def load(self, spec: GraphSpec, step: Any | None = None) -> None:
-        """Fill the static buffers with ``step`` (default: all padding) in ``spec``'s shape."""
+        """Fill ``spec``'s static buffers with ``step`` (default: all padding) in its shape. For a
+        drafter spec, ``step`` is ignored: load real drafter passes through :attr:`drafts`."""
+        if spec.is_draft:
+            self._draft_statics().load(spec)
+            return
         buffers = self.runner.buffers
         load_padded(buffers, step if step is not None else empty_step(buffers), spec)
 
+    def metadata(self, spec: GraphSpec) -> dict[str, AttentionMetadata]:
+        """``spec``'s fixed metadata over its static buffers (made once, right after a load)."""
+        metas = self._metas.get(spec.label)
+        if metas is None:
+            buffers = self._draft_statics().buffers if spec.is_draft else self.runner.buffers
+            metas = graph_metadata(buffers, spec, self.runner.max_model_len)
+            self._metas[spec.label] = metas
+        return metas
+
     def eager(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> torch.Tensor:
         """The eager forward over the loaded static buffers with ``spec``'s fixed metadata."""
-        return self.runner.forward_batch(spec.num_tokens, metas)
+        return self.forward(spec, metas)[0]
+
+    def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
+        """Output and auxiliary outputs of one eager pass over the loaded static buffers."""
+        runner = self.runner
+        if spec.is_draft:
+            ids, positions, features = self._draft_statics().inputs(spec)
+            return runner.drafter.forward_pass(runner, spec.phase, metas, ids, positions, features), []
+        hidden = runner.forward_batch(spec.num_tokens, metas)
+        return hidden, list(runner.last_aux_hidden_states)
 
     @torch.inference_mode()
     def capture(self) -> CaptureResult:
-        """Eager pass over every shape, then capture largest first."""
-        result = CaptureResult(self.plan, [], notes=list(self.plan.notes))
-        runner = self.runner
-        specs = self.plan.specs
+        """Eager pass over every shape, then capture largest first (target, then drafter)."""
+        result = CaptureResult(
+            self.plan, [], notes=[*self.plan.notes, *self.draft_plan.notes], draft_plan=self.draft_plan
+        )
+        specs = [*self.plan.specs, *self.draft_plan.specs]
         for spec in specs:
             self.load(spec)
-            self.eager(spec, graph_metadata(runner.buffers, spec, runner.max_model_len))
+            self.eager(spec, self.metadata(spec))
             result.order.append(("eager", spec.label))
         self._sync()
-        largest_first = sorted(specs, key=lambda s: (s.num_tokens, s.rows), reverse=True)
-        for spec in largest_first:
-            result.graphs.append(self._capture_one(spec))
-            result.order.append(("capture", spec.label))
-        shapes = getattr(runner.drafter, "graph_shapes", None)
-        if shapes is not None and shapes():
-            result.notes.append(
-                f"drafter graphs not captured: {type(runner.drafter).__name__} has no graph-capture seam, "
-                "so its passes run eagerly"
-            )
+        for group in (self.plan.specs, self.draft_plan.specs):
+            for spec in sorted(group, key=lambda s: (s.num_tokens, s.rows), reverse=True):
+                result.graphs.append(self._capture_one(spec))
+                result.order.append(("capture", spec.label))
         return result
 
     def _capture_one(self, spec: GraphSpec) -> CapturedGraph:
         runner = self.runner
         self.load(spec)
-        metas = graph_metadata(runner.buffers, spec, runner.max_model_len)
+        metas = self.metadata(spec)
         backend = runner.attn_backend
         self._sync()
         start = time.perf_counter()
@@ -117,7 +158,7 @@ class GraphCapturer:
             graph = torch.cuda.CUDAGraph()
             backend.prepare_for_capture(metas)
             with torch.cuda.graph(graph, pool=self._pool):
-                output = self.eager(spec, metas)
+                output, aux = self.forward(spec, metas)
             self._sync()
             memory = max(0, free_before - torch.cuda.mem_get_info(runner.device)[0])
 
@@ -128,18 +169,26 @@ class GraphCapturer:
         else:
             forward = self._compiled(spec, metas) if self.backend == "compile" else None
             backend.prepare_for_capture(metas)
-            output = forward() if forward is not None else self.eager(spec, metas)
-            memory = output.numel() * output.element_size()
+            output, aux = forward() if forward is not None else self.forward(spec, metas)
+            memory = sum(t.numel() * t.element_size() for t in (output, *aux))
 
             def replay() -> None:
                 backend.prepare_for_replay(metas)
-                output.copy_(forward() if forward is not None else self.eager(spec, metas))
+                new, new_aux = forward() if forward is not None else self.forward(spec, metas)
+                output.copy_(new)
+                for static, fresh in zip(aux, new_aux, strict=True):
+                    static.copy_(fresh)
 
         seconds = time.perf_counter() - start
-        return CapturedGraph(spec, metas, output, replay, seconds, memory)
+        return CapturedGraph(spec, metas, output, replay, seconds, memory, aux)
 
-    def _compiled(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Callable[[], torch.Tensor]:
-        return torch.compile(lambda: self.eager(spec, metas), dynamic=False, fullgraph=False)
+    def _compiled(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Callable[[], Outputs]:
+        return torch.compile(lambda: self.forward(spec, metas), dynamic=False, fullgraph=False)
+
+    def _draft_statics(self) -> DraftStatics:
+        if self.drafts is None:
+            raise ConfigError("this capturer planned no drafter graphs: the runner's drafter has none")
+        return self.drafts
 
     def _sync(self) -> None:
         if self.backend == "cuda":

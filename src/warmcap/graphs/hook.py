@@ -16,8 +16,11 @@ def graph_capture_hook(
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
     verify: bool = True,
-) -> GraphStartup:
-    """Capture the engine runner's graphs (``cuda`` on a GPU, ``static`` elsewhere) after warmup."""
+) -> GraphStartup | None:
+    """Capture the engine runner's graphs (``cuda`` on a GPU, ``static`` elsewhere) after warmup;
+    nothing when the config says ``enforce_eager``."""
+    if engine.config.model.enforce_eager:
+        return None
     startup = capture_graphs(
         engine.runner, engine.kv_cache_manager, backend=backend, capture_sizes=capture_sizes, verify=verify
     )

@@ -1,10 +1,12 @@
-"""Which target graphs a runner gets: uniform-decode FULL graphs plus mixed graphs on the ladder."""
+"""Which graphs a runner gets: target uniform-decode FULL graphs plus mixed graphs on the ladder,
+then the drafter's ``draft_prefill`` (on the target's token counts) and ``draft_decode`` graphs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from warmcap.drafters.base import DRAFT_DECODE, DRAFT_PREFILL
 from warmcap.graphs.descriptors import BatchDescriptor, CUDAGraphMode
 from warmcap.graphs.sizes import default_capture_sizes, uniform_decode_sizes
 
@@ -37,6 +39,11 @@ class GraphSpec:
     @property
     def label(self) -> str:
         return f"{self.phase} {self.descriptor.label}"
+
+    @property
+    def is_draft(self) -> bool:
+        """Whether this is a drafter pass (its static inputs are the drafter's, not the runner's)."""
+        return self.phase in (DRAFT_PREFILL, DRAFT_DECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +90,39 @@ def plan_target_graphs(runner: ModelRunner, *, capture_sizes: list[int] | None =
         cap = min(size, max_reqs)
         specs.append(GraphSpec(phase, BatchDescriptor(CUDAGraphMode.FULL, size, cap), cap + 1))
     return GraphPlan(specs, kept, notes)
+
+
+def plan_draft_graphs(runner: ModelRunner, target: GraphPlan) -> GraphPlan:
+    """The drafter's graphs: ``draft_prefill`` (ragged, like a mixed batch) on the target's mixed
+    capture sizes (a prefill after a decode step is ragged, so the uniform sizes would rarely fit
+    exactly and only add graphs), and ``draft_decode`` FULL uniform graphs of the drafter's query length for
+    ``1..max_num_seqs`` requests. Empty for drafters without graph shapes (ngram)."""
+    drafter = runner.drafter
+    shapes_of = getattr(drafter, "graph_shapes", None)
+    shapes = shapes_of() if shapes_of is not None else []
+    if not shapes or not drafter.graph_groups():
+        return GraphPlan([], [], [])
+    max_reqs = runner.max_num_reqs
+    notes: list[str] = []
+    specs: list[GraphSpec] = []
+    for shape in shapes:
+        if shape.phase == DRAFT_PREFILL:
+            if not runner.attn_backend.supports_full_graph:
+                notes.append(
+                    f"attention backend {runner.attn_backend.name!r} cannot run inside a FULL graph: "
+                    "draft prefills run eagerly"
+                )
+                continue
+            for size in target.capture_sizes:
+                cap = min(size, max_reqs)
+                specs.append(
+                    GraphSpec(DRAFT_PREFILL, BatchDescriptor(CUDAGraphMode.FULL, size, cap), cap + 1)
+                )
+        elif shape.query_len is not None:
+            q = shape.query_len
+            specs += [
+                GraphSpec(DRAFT_DECODE, BatchDescriptor(CUDAGraphMode.FULL, q * n, n, q), n)
+                for n in range(1, max_reqs + 1)
+                if q * n <= runner.max_num_tokens
+            ]
+    return GraphPlan(specs, [], notes)

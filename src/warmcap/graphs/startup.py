@@ -1,4 +1,5 @@
-"""Start-up entry point: capture, verify, install the graph runner, and describe it for the report."""
+"""Start-up entry point: capture (target, then drafter graphs), verify, install the graph runner,
+and describe it for the report."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def capture_graphs(
     capture_sizes: list[int] | None = None,
     verify: bool = True,
 ) -> GraphStartup:
-    """Capture the runner's graphs, verify each (I4), and install them for serving."""
+    """Capture the runner's target and drafter graphs, verify each (I4), and install them for
+    serving (``runner.graph_runner``)."""
     chosen = backend or default_backend(runner)
     capturer = GraphCapturer(runner, chosen, capture_sizes=capture_sizes)
     start = time.perf_counter()
@@ -105,7 +107,7 @@ def capture_graphs(
     captured = time.perf_counter()
     checks = verify_graphs(capturer, result.graphs, kv_cache_manager) if verify else []
     verified = time.perf_counter()
-    graph_runner = GraphRunner(runner, result.graphs)
+    graph_runner = GraphRunner(runner, result.graphs, capturer.drafts)
     graph_runner.install()
     notes = list(result.notes)
     notes += [f"{c.label}: not verified ({c.reason})" for c in checks if c.reason]

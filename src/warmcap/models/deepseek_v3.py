@@ -2,7 +2,8 @@
 
 Layers ``< first_k_dense_replace`` (or ``mlp_layer_types == "dense"``) use a dense gated MLP, the
 rest the MoE of :mod:`warmcap.models.moe`. Checkpoint names follow transformers; MTP layers stored
-past ``num_hidden_layers`` (``num_nextn_predict_layers``) are skipped here (they belong to a drafter).
+past ``num_hidden_layers`` (``num_nextn_predict_layers``) are skipped here: :func:`mtp_layer_state`
+reads them for the mtp drafter (``warmcap.drafters.heads.DeepseekMTPHead``).
 
 KV layout: every layer has an MLA cache (``model.layers.N.self_attn``, :class:`MLASpec`); V3.2 adds an
 indexer cache per layer (``model.layers.N.self_attn.indexer``, :class:`IndexerSpec`), its own group.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +35,8 @@ IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 def is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
     """Whether layer ``layer_idx`` uses the MoE block (V3.2 configs may list ``mlp_layer_types``)."""
     kinds = getattr(hf_config, "mlp_layer_types", None)
-    if kinds is not None:
+    # MTP layers sit past the listed layers; DeepSeek's are MoE like every late layer.
+    if kinds is not None and layer_idx < len(kinds):
         return kinds[layer_idx] == "sparse"
     return layer_idx >= (hf_config.first_k_dense_replace or 0)
 
@@ -138,8 +141,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
-    def kv_layer_specs(self, block_size: int) -> dict[str, KVSpec]:
-        """An MLA spec per layer, plus an indexer spec per layer when the model is sparse (V3.2)."""
+    def kv_layer_specs(
+        self,
+        block_size: int,
+        *,
+        mamba_cache_mode: str = "none",
+        num_speculative_blocks: int = 0,
+        max_model_len: int | None = None,
+    ) -> dict[str, KVSpec]:
+        """An MLA spec per layer, plus an indexer spec per layer when the model is sparse (V3.2).
+        The keyword options (the engine's uniform call) concern Mamba state only."""
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         cfg = self.hf_config
         specs: dict[str, KVSpec] = {}
@@ -204,3 +215,48 @@ class DeepseekV3ForCausalLM(nn.Module):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2: V3 with a lightning indexer per layer (config ``index_topk``, ``index_n_heads``,
     ``index_head_dim``) restricting MLA to the top-k context tokens of each query."""
+
+
+#: MTP-layer checkpoint entries that copy target weights (the drafter shares the target's instead)
+MTP_SHARED_WEIGHTS = ("embed_tokens.weight", "shared_head.head.weight")
+#: MTP-layer entries that belong to its decoder layer (prefixed ``layer.`` in the drafter head)
+_MTP_DECODER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+
+
+def num_mtp_layers(hf_config: Any) -> int:
+    """MTP layers the checkpoint carries after its decoder layers (``num_nextn_predict_layers``)."""
+    return int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+
+
+def mtp_layer_state(model_dir: Path, hf_config: Any) -> dict[str, torch.Tensor]:
+    """The first MTP layer (``model.layers.{num_hidden_layers}.*``) of a DeepSeek checkpoint, named
+    as :class:`~warmcap.drafters.heads.DeepseekMTPHead` parameters: ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and ``layer.*`` (per-expert tensors stacked)."""
+    from safetensors import safe_open
+
+    from warmcap.models.loader import weight_files
+
+    prefix = f"model.layers.{hf_config.num_hidden_layers}."
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for file in weight_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                if not name.startswith(prefix) or name[len(prefix) :] in MTP_SHARED_WEIGHTS:
+                    continue
+                local = name[len(prefix) :]
+                if local.startswith(_MTP_DECODER_PARTS):
+                    local = "layer." + local
+                stacked = stacked_expert_target(local)
+                if stacked is None:
+                    state[local] = handle.get_tensor(name)
+                else:
+                    experts.setdefault(stacked[0], {})[stacked[1]] = handle.get_tensor(name)
+    if not state:
+        raise ModelLoadError(
+            f"{model_dir} declares num_nextn_predict_layers={num_mtp_layers(hf_config)} but holds no "
+            f"{prefix}* weights: use a checkpoint with its MTP layers, or pass an mtp head directory"
+        )
+    for target, rows in experts.items():
+        state[target] = torch.stack([rows[i] for i in sorted(rows)])
+    return state

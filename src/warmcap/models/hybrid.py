@@ -152,13 +152,18 @@ class BambaForCausalLM(nn.Module):
         *,
         mamba_cache_mode: str = "none",
         num_speculative_blocks: int = 0,
-        mamba_block_size: int | None = None,
+        max_model_len: int | None = None,
     ) -> dict[str, KVSpec]:
         """Full-attention specs for attention layers and Mamba specs for mixers.
 
-        ``mamba_block_size`` defaults to ``block_size``; ``num_speculative_blocks`` is the number of
-        draft tokens k (1 + k state slots per request).
+        ``num_speculative_blocks`` is the number of draft tokens k (1 + k state slots per request).
+        The Mamba block size is ``block_size`` in cache modes ``all``/``align`` (states are kept per
+        block); in mode ``none`` it is ``max_model_len`` when given, so one block spans the whole
+        context and a request holds ``1 + k`` state blocks (see ``runner_v2.mamba_state``).
         """
+        mamba_block_size = block_size
+        if mamba_cache_mode == "none" and max_model_len is not None:
+            mamba_block_size = max_model_len
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         specs: dict[str, KVSpec] = {}
         for layer in self.model.layers:
@@ -169,7 +174,7 @@ class BambaForCausalLM(nn.Module):
                 )
             elif layer.mamba is not None:
                 specs[layer.mamba.layer_name] = MambaSpec(
-                    mamba_block_size or block_size,
+                    mamba_block_size,
                     dtype_bytes,
                     state_shapes=layer.mamba.state_shapes,
                     cache_mode=mamba_cache_mode,

@@ -175,8 +175,19 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
-    def kv_layer_specs(self, block_size: int) -> dict[str, KVSpec]:
-        """One spec per attention layer, keyed by the layer name the model passes to attention."""
+    def kv_layer_specs(
+        self,
+        block_size: int,
+        *,
+        mamba_cache_mode: str = "none",
+        num_speculative_blocks: int = 0,
+        max_model_len: int | None = None,
+    ) -> dict[str, KVSpec]:
+        """One spec per attention layer, keyed by the layer name the model passes to attention.
+
+        The keyword options are the engine's uniform call (``warmcap.kv_layout.layer_specs``); they
+        only shape Mamba state, which this family has none of.
+        """
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         specs: dict[str, KVSpec] = {}
         for layer in self.model.layers:
@@ -193,9 +204,13 @@ class LlamaForCausalLM(nn.Module):
                 specs[attn.layer_name] = FullAttentionSpec(**common)
         return specs
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, assign: bool = False) -> None:
         """Copy HF-named tensors into the parameters; every parameter must be given exactly once
-        (the LM head may be absent when tied). Raises ModelLoadError naming the weight."""
+        (the LM head may be absent when tied). Raises ModelLoadError naming the weight.
+
+        ``assign``: adopt each tensor (cast to the parameter's dtype and device) as the parameter's
+        storage instead of copying it; for callers that hand over tensors nobody else holds.
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         with torch.no_grad():
@@ -213,7 +228,11 @@ class LlamaForCausalLM(nn.Module):
                         f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
                         f"{tuple(param.shape)}; the checkpoint does not match config.json"
                     )
-                param.copy_(tensor.to(dtype=param.dtype))
+                if assign:
+                    # NOTE: a tied head is the same Parameter object, so this rebinds both names.
+                    param.data = tensor.to(dtype=param.dtype, device=param.device)
+                else:
+                    param.copy_(tensor.to(dtype=param.dtype))
                 loaded.add(name)
         if self.tie_word_embeddings:
             # Tied: the head is the embedding, whichever of the two names the checkpoint stored.

@@ -6,6 +6,7 @@ transformers is imported inside the functions that need it: importing it costs s
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,8 +99,11 @@ def load_model(
                     yield name, handle.get_tensor(name)
         where["file"] = None
 
+    # safe_open's tensors are private copy-on-write maps of the file that only this function holds:
+    # a model that can adopt them skips a full copy of the weights (and touching every page twice).
+    adopt = {"assign": True} if "assign" in inspect.signature(model.load_weights).parameters else {}
     try:
-        model.load_weights(stream())
+        model.load_weights(stream(), **adopt)
     except ModelLoadError as e:
         origin = where["file"] if where["file"] is not None else Path(path)
         raise ModelLoadError(f"{origin}: {e}") from None

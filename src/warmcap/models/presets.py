@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from warmcap.errors import ModelLoadError
-from warmcap.models.presets_extra import EXTRA_PRESETS
+from warmcap.models.presets_extra import EXTRA_PRESET_VERSIONS, EXTRA_PRESETS
 from warmcap.models.tiny import TINY_PRESETS, write_tiny_model
 
 SMOLLM2 = "smollm2-135m"
@@ -41,7 +41,8 @@ def cache_dir() -> Path:
 def preset_dir(name: str, *, config_only: bool = False) -> Path:
     """Where preset ``name`` lives in the cache (whether or not it was built yet)."""
     suffix = "-config" if config_only else ""
-    return cache_dir() / "models" / f"{name}-v{PRESET_VERSION}{suffix}"
+    version = EXTRA_PRESET_VERSIONS.get(name, PRESET_VERSION)
+    return cache_dir() / "models" / f"{name}-v{version}{suffix}"
 
 
 @contextlib.contextmanager

@@ -47,7 +47,6 @@ _DEEPSEEK: dict[str, Any] = {
     "first_k_dense_replace": 1,
     "routed_scaling_factor": 2.5,
     "norm_topk_prob": True,
-    "num_nextn_predict_layers": 0,
 }
 
 _BAMBA: dict[str, Any] = {
@@ -79,18 +78,64 @@ def _redraw_routers(model: Any) -> None:
             buf.copy_(torch.randn_like(buf) * 0.1)
 
 
-def make_tiny_deepseek_v3(out_dir: Path) -> None:
-    """DeepSeek-V3: 3 layers (1 dense + 2 MoE, 8 experts in 4 groups), MLA with q/kv LoRA."""
+def _mtp_layer(config: Any) -> dict[str, Any]:
+    """Seeded weights of one DeepSeek MTP layer, named as in DeepSeek-V3 checkpoints
+    (``model.layers.{num_hidden_layers}.*``): a decoder layer (MLA + MoE) drawn like the model's
+    own layers, ``enorm``/``hnorm``/``shared_head.norm`` around 1, ``eh_proj`` random, and copies of
+    the embedding and LM head (``embed_tokens``, ``shared_head.head``), as real checkpoints store."""
     import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    deeper = config.__class__(**{**config.to_dict(), "num_hidden_layers": config.num_hidden_layers + 1})
+    torch.manual_seed(SEED + 1)
+    donor = DeepseekV3ForCausalLM(deeper)
+    with torch.no_grad():
+        _redraw_routers(donor)
+    n, hidden = config.num_hidden_layers, config.hidden_size
+    prefix = f"model.layers.{n}."
+    state: dict[str, Any] = {}
+    for name, tensor in donor.model.layers[n].state_dict().items():
+        if name == "mlp.experts.gate_up_proj":
+            # transformers fuses experts in memory; checkpoints name each expert's projections.
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                state[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                state[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up.clone()
+        elif name == "mlp.experts.down_proj":
+            for e, down in enumerate(tensor):
+                state[f"{prefix}mlp.experts.{e}.down_proj.weight"] = down.clone()
+        else:
+            state[prefix + name] = tensor
+    gen = torch.Generator().manual_seed(SEED + 2)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        state[f"{prefix}{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    state[f"{prefix}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+    return state
+
+
+def make_tiny_deepseek_v3(out_dir: Path) -> None:
+    """DeepSeek-V3: 3 layers (1 dense + 2 MoE, 8 experts in 4 groups), MLA with q/kv LoRA, and one
+    MTP layer (``num_nextn_predict_layers=1``) stored after them, as DeepSeek checkpoints do."""
+    import torch
+    from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(**{**_COMMON, **_DEEPSEEK})
+    config = DeepseekV3Config(**{**_COMMON, **_DEEPSEEK}, num_nextn_predict_layers=1)
     config.architectures = ["DeepseekV3ForCausalLM"]
     torch.manual_seed(SEED)
     model = DeepseekV3ForCausalLM(config)
     with torch.no_grad():
         _redraw_routers(model)
     _save(model, out_dir)
+    weights = out_dir / "model.safetensors"
+    state = load_file(str(weights))
+    mtp = _mtp_layer(config)
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    mtp[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    mtp[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file(
+        {**state, **{k: v.contiguous() for k, v in mtp.items()}}, str(weights), metadata={"format": "pt"}
+    )
 
 
 def make_tiny_deepseek_v32(out_dir: Path, *, index_topk: int = 8) -> None:
@@ -127,6 +172,9 @@ def make_tiny_hybrid(out_dir: Path) -> None:
                 param.copy_(torch.randn_like(param) * 0.5 - 1.0)
     _save(model, out_dir)
 
+
+#: content version per preset, part of its cache folder name (bumped when a builder changes)
+EXTRA_PRESET_VERSIONS: dict[str, int] = {"tiny-deepseek-v3": 2}
 
 #: preset name -> builder writing the checkpoint into a directory
 EXTRA_PRESETS: dict[str, Callable[[Path], None]] = {

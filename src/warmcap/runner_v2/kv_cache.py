@@ -1,7 +1,8 @@
 """KV cache tensors: one per layer, laid out by the layer's spec kind.
 
-Allocation dispatches through :data:`KV_LAYOUTS` (kind -> layout), so new kinds (MLA, indexer,
-Mamba) register a layout instead of editing this module.
+Allocation dispatches through :data:`KV_LAYOUTS` (kind -> layout): attention ``[2, nb + 1, bs, H, D]``,
+MLA latent and indexer keys ``[nb + 1, bs, D]``, Mamba state ``[nb + 1, conv + ssm elements]``. Every
+layout ends in the PAD sink block and is scrubbed by :meth:`KVCaches.zero_blocks` along its block dim.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from warmcap.core.kv_spec import FullAttentionSpec, KVCacheGroup, KVSpec
+from warmcap.core.kv_spec import FullAttentionSpec, IndexerSpec, KVCacheGroup, KVSpec, MambaSpec, MLASpec
 from warmcap.errors import ModelLoadError
 
 
@@ -30,9 +31,25 @@ def _attention_shape(spec: KVSpec, num_blocks: int) -> tuple[int, ...]:
     return (2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_size)
 
 
+def _latent_shape(spec: KVSpec, num_blocks: int) -> tuple[int, ...]:
+    # MLA (normed c_kv + rotated k_pe) and the sparse-MLA indexer: one vector per token.
+    assert isinstance(spec, (MLASpec, IndexerSpec))
+    return (num_blocks + 1, spec.block_size, spec.head_size)
+
+
+def _mamba_shape(spec: KVSpec, num_blocks: int) -> tuple[int, ...]:
+    # One whole state (conv window + SSM state, flattened) per block id; runner_v2.mamba_state
+    # splits a row into its views.
+    assert isinstance(spec, MambaSpec)
+    return (num_blocks + 1, spec.page_size_bytes // spec.dtype_bytes)
+
+
 KV_LAYOUTS: dict[str, KVLayout] = {
     "full": KVLayout(_attention_shape, block_dim=1),
     "sliding_window": KVLayout(_attention_shape, block_dim=1),
+    "mla": KVLayout(_latent_shape, block_dim=0),
+    "indexer": KVLayout(_latent_shape, block_dim=0),
+    "mamba": KVLayout(_mamba_shape, block_dim=0),
 }
 
 

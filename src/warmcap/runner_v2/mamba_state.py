@@ -23,10 +23,11 @@ be rolled back, so a prefix-cache entry must never trust it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
 import torch
 
 from warmcap.core.kv_spec import MambaSpec
@@ -112,6 +113,16 @@ def plan_state(
     return StatePlan(live_column if c > 0 else None, tuple(sorted(writes.items())))
 
 
+def _block_at(table: torch.Tensor, row: int, column: int) -> int:
+    """``table[row, column]``, or the null block 0 past the table's width.
+
+    NOTE: a column past a request's blocks reads whatever the zero-filled persistent table holds
+    there (the null block), as the reference engine's unchecked indexing would; the warmup audit
+    reports such writes as past the held blocks instead of this code raising.
+    """
+    return int(table[row, column]) if column < table.shape[1] else 0
+
+
 def build_mamba_metadata(meta: AttentionMetadata, plans: Sequence[StatePlan]) -> MambaMetadata:
     """``meta`` (the Mamba group's step metadata) plus the read/write blocks of ``plans`` (one per
     real row, in row order); padded rows and tokens get -1."""
@@ -121,9 +132,9 @@ def build_mamba_metadata(meta: AttentionMetadata, plans: Sequence[StatePlan]) ->
     write = torch.full((meta.num_tokens,), NO_BLOCK, dtype=torch.int64)
     for row, plan in enumerate(plans):
         if plan.read_column is not None:
-            read[row] = int(table[row, plan.read_column])
+            read[row] = _block_at(table, row, plan.read_column)
         for index, column in plan.writes:
-            write[int(qsl[row]) + index] = int(table[row, column])
+            write[int(qsl[row]) + index] = _block_at(table, row, column)
     device = meta.block_table.device
     fields = {name: getattr(meta, name) for name in AttentionMetadata.__dataclass_fields__}
     return MambaMetadata(**fields, read_blocks=read.to(device), write_blocks=write.to(device))
@@ -137,3 +148,196 @@ def state_views(state: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[to
         views.append(state[:, offset : offset + size].view(state.shape[0], *shape))
         offset += size
     return views
+
+
+def probe_plan(spec: MambaSpec, num_computed_tokens: int, num_scheduled_tokens: int) -> StatePlan:
+    """The plan of a row no tracked request owns (graph verification builds such rows).
+
+    It reads the state the rule puts after its context (``anchor_column``) and writes only when it
+    starts from zero: a probe may run the same step several times (eager, replay, padded eager) and
+    must see the same state each time.
+    """
+    c, s = num_computed_tokens, num_scheduled_tokens
+    if c > 0:
+        return StatePlan(anchor_column(spec, c), ())
+    return StatePlan(None, ((s - 1, anchor_column(spec, s)),))
+
+
+def draft_state_plans(
+    spec: MambaSpec, first: Sequence[int], lengths: Sequence[int], num_known_tokens: Sequence[int]
+) -> list[StatePlan]:
+    """Plans of a drafter pass over a Mamba group, one per row (span ``first .. first + len - 1``).
+
+    A draft LM's pass never verifies anything, so its columns follow from positions alone:
+
+    - a span ending at or before the request's known tokens (the draft prefill) starts from the
+      state after ``first - 1``; when it ends at the token just sampled (position ``P``), that
+      token is re-fed next step, so the state after ``P - 1`` is the committed one (anchor column)
+      and the state after ``P`` goes to ``anchor + 1``;
+    - a one-token span past the known tokens is draft step ``i`` at ``P + i``: it reads
+      ``anchor + i`` and writes ``anchor + i + 1`` for the next draft step (the last one writes none).
+    """
+    plans = []
+    for c, s, known in zip(first, lengths, num_known_tokens, strict=True):
+        c, s, known = int(c), int(s), int(known)
+        if c + s <= known:
+            d = 1 if c + s == known else 0
+            live = anchor_column(spec, c) if c > 0 else None
+            plans.append(
+                plan_state(
+                    spec, num_computed_tokens=c, num_scheduled_tokens=s, num_spec_tokens=d, live_column=live
+                )
+            )
+            continue
+        sampled = known - 1
+        i = c - sampled
+        anchor = anchor_column(spec, sampled)
+        writes = ((0, anchor + i + 1),) if i < spec.num_speculative_blocks - 1 else ()
+        plans.append(StatePlan(anchor + i, writes))
+    return plans
+
+
+def state_write_slots(
+    meta: AttentionMetadata, plans: Sequence[StatePlan]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state writes of ``plans`` as an audit record's ``(positions, slot_mapping)``.
+
+    A write of token t into column j of a row is recorded as position ``j * block_size`` and slot
+    ``table[row, j] * block_size``: the audit's rule (slot // block_size is the block the request
+    holds at column position // block_size) then checks exactly that the state block is held.
+    Tokens that write no state are PAD.
+    """
+    bs = meta.block_size
+    table = meta.block_table.cpu().to(torch.int64)
+    qsl = (meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc).cpu()
+    positions = torch.zeros(meta.num_tokens, dtype=torch.int64)
+    slots = torch.full((meta.num_tokens,), NO_BLOCK, dtype=torch.int64)
+    for row, plan in enumerate(plans):
+        for index, column in plan.writes:
+            t = int(qsl[row]) + index
+            positions[t] = column * bs
+            slots[t] = _block_at(table, row, column) * bs
+    return positions, slots
+
+
+def _rows(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
+    """``(num_computed, num_scheduled, first block)`` of every row of ``meta`` (padded included)."""
+    qsl = (
+        meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc
+    ).tolist()
+    seq = (meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens).tolist()
+    firsts = meta.block_table[:, 0].tolist() if meta.block_table.shape[1] else [0] * meta.num_reqs
+    return [
+        (seq[i] - (qsl[i + 1] - qsl[i]), qsl[i + 1] - qsl[i], int(firsts[i])) for i in range(meta.num_reqs)
+    ]
+
+
+class MambaStates:
+    """The live state column of every running request in each target Mamba group, and the step
+    metadata that reads and writes it (see the module docstring for the column rule).
+
+    Rows are matched to requests through their first block in the group (Mamba blocks are never
+    shared), so any pass over the runner's buffers — eager, graph replay, graph verification —
+    gets the right :class:`MambaMetadata`. Rows owned by no running request are probes
+    (:func:`probe_plan`); rows whose table starts with the null block are padding: they read the
+    zero state and write nothing.
+    """
+
+    def __init__(self, specs: dict[str, MambaSpec]) -> None:
+        self.specs = specs
+        self._live: dict[str, dict[str, int]] = {}  # req_id -> group -> live column
+        self._drafts: dict[str, int] = {}  # req_id -> drafts verified in the current step
+        self._owner: dict[str, dict[int, str]] = {g: {} for g in specs}  # group -> first block -> req_id
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Drop finished or preempted requests (a resumed request recomputes from zero)."""
+        for req_id in req_ids:
+            self._live.pop(req_id, None)
+            self._drafts.pop(req_id, None)
+        gone = set(req_ids)
+        for owners in self._owner.values():
+            for block in [b for b, r in owners.items() if r in gone]:
+                del owners[block]
+
+    def begin_step(
+        self, req_ids: Sequence[str], block_tables: dict[str, torch.Tensor], num_drafts: Sequence[int]
+    ) -> None:
+        """Register the step's requests (step order): their first blocks and draft counts."""
+        for group, owners in self._owner.items():
+            firsts = block_tables[group][: len(req_ids), 0].tolist()
+            for req_id, block in zip(req_ids, firsts, strict=True):
+                owners[int(block)] = req_id
+        for req_id, d in zip(req_ids, num_drafts, strict=True):
+            self._drafts[req_id] = int(d)
+
+    def finish_step(
+        self, req_ids: Sequence[str], seq_lens: Sequence[int], sampled: Sequence[Sequence[int]]
+    ) -> None:
+        """After verification: the live column is the state after the last accepted token."""
+        for req_id, n, out in zip(req_ids, seq_lens, sampled, strict=True):
+            committed = int(n) - self._drafts.get(req_id, 0)
+            live = self._live.setdefault(req_id, {})
+            for group, spec in self.specs.items():
+                live[group] = accepted_column(spec, committed, max(1, len(out)))
+
+    def plans(self, group: str, meta: AttentionMetadata) -> list[StatePlan]:
+        """One plan per row of ``meta`` (padded rows included)."""
+        spec = self.specs[group]
+        plans = []
+        for c, s, first in _rows(meta):
+            req_id = self._owner[group].get(first)
+            if s == 0 or first == 0:
+                plans.append(StatePlan(None, ()))
+            elif req_id is None:
+                plans.append(probe_plan(spec, c, s))
+            else:
+                live = self._live.get(req_id, {}).get(group)
+                if c > 0 and live is None:
+                    live = prefix_column(spec, c)
+                plans.append(
+                    plan_state(
+                        spec,
+                        num_computed_tokens=c,
+                        num_scheduled_tokens=s,
+                        num_spec_tokens=self._drafts.get(req_id, 0),
+                        live_column=live,
+                    )
+                )
+        return plans
+
+    def metadata(self, metas: dict[str, AttentionMetadata]) -> dict[str, AttentionMetadata]:
+        """``metas`` with every tracked Mamba group's entry turned into :class:`MambaMetadata`."""
+        if not self.specs:
+            return metas
+        out = dict(metas)
+        for group in self.specs:
+            if group in metas and not isinstance(metas[group], MambaMetadata):
+                out[group] = build_mamba_metadata(metas[group], self.plans(group, metas[group]))
+        return out
+
+    def write_slots(self, group: str, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The audit record of the state writes a pass over ``meta`` makes in ``group``."""
+        return state_write_slots(meta, self.plans(group, meta))
+
+
+def draft_state_metadata(
+    spec: MambaSpec, meta: AttentionMetadata, tables: np.ndarray, num_known_tokens: np.ndarray
+) -> tuple[MambaMetadata, list[StatePlan]]:
+    """A drafter pass's Mamba metadata and plans (:func:`draft_state_plans`).
+
+    Rows are matched to the persistent batch through their first block (``tables``: the group's
+    persistent block table, ``num_known_tokens``: tokens known per persistent row), so the same
+    call serves eager passes and graph replays. Padded rows (null first block) read the zero state
+    and write nothing; rows of no running request are probes (:func:`probe_plan`).
+    """
+    row_of = {int(b): r for r, b in enumerate(tables[:, 0].tolist()) if b}
+    plans = []
+    for c, s, first in _rows(meta):
+        row = row_of.get(first)
+        if s == 0 or first == 0:
+            plans.append(StatePlan(None, ()))
+        elif row is None:
+            plans.append(probe_plan(spec, c, s))
+        else:
+            plans.extend(draft_state_plans(spec, [c], [s], [int(num_known_tokens[row])]))
+    return build_mamba_metadata(meta, plans), plans

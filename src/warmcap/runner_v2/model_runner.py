@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from warmcap.core.kv_spec import KVCacheGroup
+from warmcap.core.kv_spec import KVCacheGroup, MambaSpec
 from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.reservation import max_blocks_per_request
 from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
 from warmcap.runner_v2.kv_writes import KVWriteLog, KVWriteRecord
+from warmcap.runner_v2.mamba_state import MambaStates
 from warmcap.runner_v2.rejection import greedy_verify, probabilistic_verify
 from warmcap.runner_v2.sampler import Sampler, SamplingMetadata
 from warmcap.runner_v2.step_buffers import StepBuffers
@@ -99,6 +100,10 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = KVCaches(self.kv_groups, num_blocks, dtype=self.dtype, device=self.device)
+        # Live state column of each request in the target's Mamba groups (drafters track their own).
+        self.mamba_states = MambaStates(
+            {g.name: g.spec for g in self.kv_groups if isinstance(g.spec, MambaSpec) and not g.is_drafter}
+        )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
@@ -116,6 +121,8 @@ class ModelRunner:
         # Target layers whose input hidden states drafters read (EAGLE-3, DFlash); filled per forward.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.last_aux_hidden_states: list[torch.Tensor] = []
+        # Captured graphs (``warmcap.graphs.graph_runner.GraphRunner``), installed by graph start-up.
+        self.graph_runner: Any = None
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -123,20 +130,26 @@ class ModelRunner:
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return what each request produced."""
         self.batch.update(sched_out)
+        self.mamba_states.forget(sched_out.finished_req_ids | sched_out.preempted_req_ids)
         self.num_steps += 1
         if sched_out.is_empty:
             return ModelRunnerOutput()
         step = self.batch.prepare_inputs(sched_out)
-        self.buffers.copy_from(step)
-        metas = self.buffers.attn_metadata(num_columns=step.max_num_blocks)
-        if self.record_kv_writes:
-            self.record_pass("target", step.req_ids, metas)
-        hidden = self.forward_batch(step.num_tokens, metas)
+        self.mamba_states.begin_step(step.req_ids, step.block_tables, [len(d) for d in step.draft_token_ids])
+        # A captured graph that fits replays the step (and logs it); otherwise it runs eagerly.
+        hidden = self.graph_runner.forward(step) if self.graph_runner is not None else None
+        if hidden is None:
+            self.buffers.copy_from(step)
+            metas = self.buffers.attn_metadata(num_columns=step.max_num_blocks)
+            if self.record_kv_writes:
+                self.record_pass("target", step.req_ids, metas)
+            hidden = self.forward_batch(step.num_tokens, metas)
         self.last_step = step
         self.last_hidden_states = hidden
         self.last_positions = self.buffers.positions[: step.num_tokens]
 
         sampled = self._sample(hidden, step)
+        self.mamba_states.finish_step(step.req_ids, step.seq_lens.tolist(), sampled)
         for req_id, tokens in zip(step.req_ids, sampled, strict=True):
             self.batch.append_tokens(req_id, tokens)
         drafts = self.drafter.propose(self, sched_out, sampled) if self.drafter is not None else {}
@@ -152,6 +165,7 @@ class ModelRunner:
     def forward_batch(self, num_tokens: int, attn_metadata: dict[str, AttentionMetadata]) -> torch.Tensor:
         """Run the model eagerly on the first ``num_tokens`` tokens of the static buffers: the seam
         graph capture and replay wrap. Returns hidden states ``[num_tokens, H]``."""
+        attn_metadata = self.mamba_states.metadata(attn_metadata)
         ctx = ForwardContext(
             attn_metadata=attn_metadata,
             layer_to_group=self.kv_caches.layer_to_group,
@@ -172,14 +186,20 @@ class ModelRunner:
         rows = [self.batch.row_of[req_id] for req_id in req_ids]
         for group, meta in metas.items():
             table = self.batch.block_tables[group]
+            if group in self.mamba_states.specs:
+                # Mamba layers write whole states into columns, not tokens into slots.
+                positions, slots = self.mamba_states.write_slots(group, meta)
+            else:
+                positions = self.buffers.positions[: meta.num_tokens].cpu().clone()
+                slots = meta.slot_mapping.cpu().clone()
             self.kv_write_log.add(
                 KVWriteRecord(
                     phase=phase,
                     group=group,
                     req_ids=list(req_ids),
                     query_start_loc=qsl,
-                    positions=self.buffers.positions[: meta.num_tokens].cpu().clone(),
-                    slot_mapping=meta.slot_mapping.cpu().clone(),
+                    positions=positions,
+                    slot_mapping=slots,
                     step=self.num_steps,
                     block_ids={req_id: table.row(row) for req_id, row in zip(req_ids, rows, strict=True)},
                 )

@@ -114,11 +114,14 @@ class StepPlan:
     #: [R, Q, 1] position of each padded query slot, -1 for slots past the row's query length
     query_pos: torch.Tensor
     key_pos: torch.Tensor
-    masks: dict[tuple[int | None, int], torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, window: int | None, group: int) -> torch.Tensor:
-        """[R, 1, G*Q, K] bool: causal, inside the window, at least one true entry per row."""
-        cached = self.masks.get((window, group))
+    def mask(self, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """[R, 1, G*Q, K] additive mask (0 or -inf): causal, inside the window, at least one 0 per row.
+
+        Additive rather than bool: SDPA would otherwise convert a bool mask in every layer.
+        """
+        cached = self.masks.get((window, group, dtype))
         if cached is not None:
             return cached
         allowed = self.key_pos <= self.query_pos
@@ -129,8 +132,10 @@ class StepPlan:
         empty = ~allowed.any(dim=-1, keepdim=True)
         allowed = allowed | (empty & (self.key_pos == 0))
         r, q, k = allowed.shape
-        mask = allowed[:, None].expand(r, group, q, k).reshape(r, 1, group * q, k)
-        self.masks[(window, group)] = mask
+        allowed = allowed[:, None].expand(r, group, q, k).reshape(r, 1, group * q, k)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        self.masks[(window, group, dtype)] = mask
         return mask
 
 
@@ -221,14 +226,27 @@ class TorchPagedAttention(AttentionBackend):
         # [R, Hkv, K, D]: each row's pages laid end to end.
         keys = kv_cache[0].index_select(0, plan.blocks).view(r, -1, hkv, d).transpose(1, 2)
         values = kv_cache[1].index_select(0, plan.blocks).view(r, -1, hkv, d).transpose(1, 2)
+        # Pure decode (one token per row, no padded tokens): token i is row i's only query, so the
+        # query gather and the output scatter are identities and plain views replace them.
+        decode = qmax == 1 and t == r
         # [R, Hkv, G*Q, D]: the G query heads sharing a KV head become extra query rows.
-        queries = q.index_select(0, plan.query_index).view(r, qmax, hkv, group, d)
-        queries = queries.permute(0, 2, 3, 1, 4).reshape(r, hkv, group * qmax, d)
+        if decode:
+            queries = q.reshape(r, hkv, group, d)
+        else:
+            queries = q.index_select(0, plan.query_index).view(r, qmax, hkv, group, d)
+            queries = queries.permute(0, 2, 3, 1, 4).reshape(r, hkv, group * qmax, d)
         out = F.scaled_dot_product_attention(
-            queries.to(keys.dtype), keys, values, attn_mask=plan.mask(sliding_window, group), scale=scale
+            queries.to(keys.dtype),
+            keys,
+            values,
+            attn_mask=plan.mask(sliding_window, group, keys.dtype),
+            scale=scale,
         )
-        out = out.view(r, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(r * qmax, hq, d)
-        out = out.index_select(0, plan.out_index)
+        if decode:
+            out = out.reshape(r, hq, d)
+        else:
+            out = out.view(r, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(r * qmax, hq, d)
+            out = out.index_select(0, plan.out_index)
         return torch.where(plan.token_valid, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(
             q.dtype
         )
