@@ -32,7 +32,9 @@ def test_version():
 
 
 def test_plan_json_follows_the_documented_schema():
-    res = runner.invoke(app, ["plan", "--model", "tiny-llama", "--spec", "eagle3:3", "--json", "--num-blocks", "64"])
+    res = runner.invoke(
+        app, ["plan", "--model", "tiny-llama", "--spec", "eagle3:3", "--json", "--num-blocks", "64"]
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     jsonschema.validate(data, plan_schema())

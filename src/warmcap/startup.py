@@ -84,7 +84,9 @@ def run_startup(
         device=str(engine.device),
         spec=SpecInfo(spec.method, spec.num_speculative_tokens) if spec else SpecInfo(),
         warmup_audit=WarmupAudit(**warm.audit.to_json()),
-        spec_decode=SpecDecodeStats(m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, list(m.accepted_per_pos)),
+        spec_decode=SpecDecodeStats(
+            m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, list(m.accepted_per_pos)
+        ),
         timings=timings,
     )
     return StartupRun(engine, report, [o.text for o in outputs])

@@ -33,5 +33,7 @@ def warmup_hook(engine: LLMEngine, *, audit: bool | None = None, strict: bool = 
     engine.warmup_result = result
     if strict and not result.audit.ok:
         first = "; ".join(str(v) for v in result.audit.violations[:3])
-        raise AuditViolationError(f"warmup audit found {len(result.audit.violations)} stray KV write(s): {first}")
+        raise AuditViolationError(
+            f"warmup audit found {len(result.audit.violations)} stray KV write(s): {first}"
+        )
     return result
