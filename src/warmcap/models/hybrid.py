@@ -16,7 +16,7 @@ from torch import nn
 
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, MambaSpec
 from warmcap.errors import ModelLoadError
-from warmcap.models.layers import GatedMLP, RMSNorm
+from warmcap.models.layers import GatedMLP, RMSNorm, run_decoder_layers
 from warmcap.models.llama import ArchTraits, LlamaAttention, LlamaForCausalLM
 from warmcap.models.mamba2 import Mamba2Mixer
 from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
@@ -131,15 +131,7 @@ class BambaForCausalLM(nn.Module):
         """[T] ids and positions -> final-normed hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        wanted = ctx.aux_hidden_state_layers
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                captured[i] = h
-            h = layer(h, cos, sin, ctx)
-        if len(self.model.layers) in wanted:
-            captured[len(self.model.layers)] = h
-        ctx.aux_hidden_states.extend(captured[i] for i in wanted)
+        h = run_decoder_layers(self.model.layers, h, cos, sin, ctx)
         return self.model.final_layernorm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

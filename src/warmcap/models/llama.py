@@ -16,7 +16,7 @@ from torch import nn
 
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from warmcap.errors import ModelLoadError
-from warmcap.models.layers import GatedMLP, RMSNorm
+from warmcap.models.layers import GatedMLP, RMSNorm, run_decoder_layers
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 from warmcap.runner_v2.attention.base import ForwardContext
 
@@ -160,15 +160,7 @@ class LlamaForCausalLM(nn.Module):
         """
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        wanted = ctx.aux_hidden_state_layers
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in wanted:
-                captured[i] = h
-            h = layer(h, cos, sin, ctx)
-        if len(self.model.layers) in wanted:
-            captured[len(self.model.layers)] = h
-        ctx.aux_hidden_states.extend(captured[i] for i in wanted)
+        h = run_decoder_layers(self.model.layers, h, cos, sin, ctx)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
