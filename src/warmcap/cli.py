@@ -199,9 +199,9 @@ def generate(
 
 
 def _spec_stats(llm) -> str | None:
-    metrics = getattr(llm.engine, "spec_metrics", None)
-    if metrics is None:
+    if llm.engine.config.speculative is None:
         return None
+    metrics = llm.engine.spec_metrics
     from warmcap.metrics import format_spec_stats
 
     return format_spec_stats(metrics)
