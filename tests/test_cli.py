@@ -65,3 +65,48 @@ def test_bad_input_is_one_clear_line_and_exit_2(args, needle):
     assert res.exit_code == 2
     assert needle in " ".join(res.output.split())
     assert "Traceback" not in res.output
+
+
+def test_run_report_and_diff_round_trip(tmp_path):
+    """`warmup run` on a tiny model: clean audit, every graph verified, a report that renders, and a
+    diff that flags an injected regression with a non-zero exit."""
+    out = tmp_path / "report.json"
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            "--model",
+            "tiny-llama",
+            "--spec",
+            "eagle:2",
+            "--max-num-seqs",
+            "2",
+            "--capture-sizes",
+            "1,2,4,8",
+            "--out",
+            str(out),
+            "--strict",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["warmup_audit"]["violations"] == 0 and data["warmup_audit"]["slots_checked"] > 0
+    assert data["graphs"] and all(g["verified"] for g in data["graphs"])
+    assert {"decode", "draft_decode"} <= {g["phase"] for g in data["graphs"]}
+
+    shown = runner.invoke(app, ["report", str(out)])
+    assert shown.exit_code == 0 and "no stray KV write" in shown.output
+
+    worse = json.loads(out.read_text())
+    worse["warmup_audit"]["violations"] = 3
+    worse_path = tmp_path / "worse.json"
+    worse_path.write_text(json.dumps(worse))
+    same = runner.invoke(app, ["report", "--diff", str(out), str(out)])
+    assert same.exit_code == 0, same.output
+    flagged = runner.invoke(app, ["report", "--diff", str(out), str(worse_path)])
+    assert flagged.exit_code == 1
+
+
+def test_report_of_a_missing_file_is_a_clear_error(tmp_path):
+    res = runner.invoke(app, ["report", str(tmp_path / "nope.json")])
+    assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())

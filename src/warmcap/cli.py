@@ -295,7 +295,7 @@ def run(
 def report(
     file: str = typer.Argument(None, help="A JSON report written by `warmup run --out`."),
     diff: tuple[str, str] = typer.Option(
-        (None, None), "--diff", help="OLD NEW: flag regressions of NEW against OLD."
+        None, "--diff", help="OLD NEW: flag regressions of NEW against OLD."
     ),
     time_tolerance: float = typer.Option(
         0.25, help="Relative capture-time growth that counts as a regression."
@@ -307,8 +307,8 @@ def report(
     from warmcap.graphs.render import render, render_diff
 
     console = Console()
-    old_path, new_path = diff
-    if old_path and new_path:
+    if diff:
+        old_path, new_path = diff
         result = diff_reports(
             _load_report(old_path),
             _load_report(new_path),

@@ -76,30 +76,33 @@ def render(report: CaptureReport, console: Console) -> None:
 
 
 def _graph_table(graphs: list[GraphRecord], backend: str) -> Table:
-    memory_title = "out buffer" if backend == "static" else "memory"
-    table = Table(title="graphs (capture order is largest first)", show_lines=False)
+    memory_title = "buffer" if backend == "static" else "memory"
+    table = Table(
+        title="graphs in capture order (largest first). shape: tokens/requests/query length; "
+        "vs eager: |replay - eager| on the same padded inputs; real rows: vs the unpadded batch",
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     for name, justify in (
         ("phase", "left"),
         ("mode", "left"),
-        ("tokens", "right"),
-        ("reqs", "right"),
-        ("q len", "right"),
-        ("capture s", "right"),
+        ("shape", "left"),
+        ("capture", "right"),
         (memory_title, "right"),
-        ("|replay-eager|", "right"),
-        ("|real rows|", "right"),
+        ("vs eager", "right"),
+        ("real rows", "right"),
         ("greedy", "center"),
-        ("verified", "center"),
+        ("ok", "center"),
     ):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, no_wrap=True)
     for g in graphs:
         table.add_row(
             g.phase,
             g.mode,
-            str(g.num_tokens),
-            _opt(g.num_reqs),
-            _opt(g.uniform_query_len),
-            f"{g.capture_seconds:.3f}",
+            f"{g.num_tokens}/{_opt(g.num_reqs)}/{_opt(g.uniform_query_len)}",
+            f"{g.capture_seconds:.2f}s",
             _mib(g.memory_bytes),
             _diff(g.max_abs_diff),
             _diff(g.real_rows_max_abs_diff),
@@ -135,7 +138,7 @@ def _opt(value: int | None) -> str:
 
 
 def _diff(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2e}"
+    return "-" if value is None else f"{value:.1e}"
 
 
 def _yes_no(value: bool | None) -> Text:
