@@ -11,7 +11,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from warmcap.warmup.planner import WarmupPlan
+    from warmcap.warmup.plan import WarmupPlan
 
 
 def plan_schema() -> dict:

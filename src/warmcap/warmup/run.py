@@ -22,7 +22,7 @@ from warmcap.warmup.audit import AuditResult, audit_records
 if TYPE_CHECKING:
     from warmcap.core.kv_cache_manager import KVCacheManager
     from warmcap.runner_v2.model_runner import ModelRunner
-    from warmcap.warmup.planner import WarmupPlan
+    from warmcap.warmup.plan import WarmupPlan
 
 
 class WarmupTraceError(WarmcapError):
