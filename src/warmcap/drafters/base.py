@@ -7,13 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from warmcap.core.kv_spec import group_layers
 from warmcap.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
     from warmcap.config import EngineConfig
-    from warmcap.core.kv_spec import KVCacheGroup
+    from warmcap.core.kv_spec import KVCacheGroup, KVSpec
     from warmcap.core.outputs import SchedulerOutput
     from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
@@ -37,6 +38,14 @@ class DraftGraphShape:
     repeats: int = 1
 
 
+def autoregressive_graph_shapes(num_speculative_tokens: int) -> list[DraftGraphShape]:
+    """A ragged draft prefill, then k - 1 single-token draft decodes per engine step."""
+    shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
+    if num_speculative_tokens > 1:
+        shapes.append(DraftGraphShape(DRAFT_DECODE, 1, repeats=num_speculative_tokens - 1))
+    return shapes
+
+
 class Drafter(ABC):
     """A speculative-decoding proposer.
 
@@ -56,6 +65,8 @@ class Drafter(ABC):
         self.config = config
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.lookahead = self.lookahead_for(self.num_speculative_tokens)
+        #: the drafter's own KV groups, set by ``kv_groups`` (empty for drafters without KV)
+        self._groups: list[KVCacheGroup] = []
         if self.lookahead != config.num_lookahead_tokens:
             raise ConfigError(
                 f"{self.method} writes {self.lookahead} KV slots past the scheduled tokens but the engine "
@@ -70,6 +81,12 @@ class Drafter(ABC):
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
         """The drafter's own KV groups (``is_drafter=True``, names prefixed ``draft.``)."""
         return []
+
+    def _own_groups(self, layer_specs: dict[str, KVSpec]) -> list[KVCacheGroup]:
+        """Group the drafter's layers under ``draft.``-prefixed names and remember the groups."""
+        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in layer_specs.items()}
+        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
+        return list(self._groups)
 
     @abstractmethod
     def propose(
@@ -92,7 +109,7 @@ class Drafter(ABC):
     def graph_groups(self) -> list[KVCacheGroup]:
         """The drafter KV groups its passes attend over and write (their metadata is static in a
         graph)."""
-        return []
+        return list(self._groups)
 
     def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
         """Width and dtype of the hidden-state input of ``phase`` passes; None when they read token

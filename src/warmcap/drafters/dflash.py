@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warmcap.core.kv_spec import KVCacheGroup, group_layers
+from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.reservation import blocks_covering
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
@@ -126,7 +126,6 @@ class DFlashDrafter(Drafter):
         self.head = head
         self.aux_layers = aux_layers
         self.dtype = next(head.parameters()).dtype
-        self._groups: list[KVCacheGroup] = []
 
     @staticmethod
     def lookahead_for(num_speculative_tokens: int) -> int:
@@ -134,18 +133,13 @@ class DFlashDrafter(Drafter):
 
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
         specs = self.head.kv_layer_specs(block_size, self.dtype)
-        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in specs.items()}
-        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
-        return list(self._groups)
+        return self._own_groups(specs)
 
     def graph_shapes(self) -> list[DraftGraphShape]:
         return [
             DraftGraphShape(DRAFT_PREFILL, None),
             DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens),
         ]
-
-    def graph_groups(self) -> list[KVCacheGroup]:
-        return list(self._groups)
 
     def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
         if phase != DRAFT_PREFILL:

@@ -19,8 +19,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from warmcap.core.kv_spec import KVCacheGroup, MambaSpec, group_layers
-from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
+from warmcap.core.kv_spec import KVCacheGroup, MambaSpec
+from warmcap.drafters.base import (
+    DRAFT_DECODE,
+    DRAFT_GROUP_PREFIX,
+    DRAFT_PREFILL,
+    Drafter,
+    DraftGraphShape,
+    autoregressive_graph_shapes,
+)
 from warmcap.drafters.paged import (
     DraftPass,
     StepView,
@@ -49,7 +56,6 @@ class DraftModelDrafter(Drafter):
     def __init__(self, config: EngineConfig, model: nn.Module) -> None:
         super().__init__(config)
         self.model: Any = model
-        self._groups: list[KVCacheGroup] = []
         self._layer_names: dict[str, str] = {}
 
     @staticmethod
@@ -59,19 +65,10 @@ class DraftModelDrafter(Drafter):
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
         specs = layer_specs(self.model, self.config, block_size)
         self._layer_names = {name: DRAFT_GROUP_PREFIX + name for name in specs}
-        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in specs.items()}
-        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
-        return list(self._groups)
+        return self._own_groups(specs)
 
     def graph_shapes(self) -> list[DraftGraphShape]:
-        k = self.num_speculative_tokens
-        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
-        if k > 1:
-            shapes.append(DraftGraphShape(DRAFT_DECODE, 1, repeats=k - 1))
-        return shapes
-
-    def graph_groups(self) -> list[KVCacheGroup]:
-        return list(self._groups)
+        return autoregressive_graph_shapes(self.num_speculative_tokens)
 
     def forward_pass(
         self,

@@ -20,8 +20,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from warmcap.core.kv_spec import KVCacheGroup, group_layers
-from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
+from warmcap.core.kv_spec import KVCacheGroup
+from warmcap.drafters.base import (
+    DRAFT_DECODE,
+    DRAFT_GROUP_PREFIX,
+    DRAFT_PREFILL,
+    Drafter,
+    DraftGraphShape,
+    autoregressive_graph_shapes,
+)
 from warmcap.drafters.heads import DraftHead
 from warmcap.drafters.paged import (
     DraftPass,
@@ -50,7 +57,6 @@ class HiddenStateDrafter(Drafter):
         #: target layers whose inputs the head consumes (EAGLE-3), in concatenation order
         self.aux_layers = aux_layers
         self.dtype = next(head.parameters()).dtype
-        self._groups: list[KVCacheGroup] = []
 
     @staticmethod
     def lookahead_for(num_speculative_tokens: int) -> int:
@@ -58,19 +64,10 @@ class HiddenStateDrafter(Drafter):
 
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
         specs = self.head.kv_layer_specs(block_size, self.dtype)
-        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in specs.items()}
-        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
-        return list(self._groups)
+        return self._own_groups(specs)
 
     def graph_shapes(self) -> list[DraftGraphShape]:
-        k = self.num_speculative_tokens
-        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
-        if k > 1:
-            shapes.append(DraftGraphShape(DRAFT_DECODE, 1, repeats=k - 1))
-        return shapes
-
-    def graph_groups(self) -> list[KVCacheGroup]:
-        return list(self._groups)
+        return autoregressive_graph_shapes(self.num_speculative_tokens)
 
     def feature_spec(self, phase: str) -> tuple[int, torch.dtype]:
         # The prefill reads target features (EAGLE-3: its aux layers side by side); later steps
