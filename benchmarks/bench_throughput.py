@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +30,9 @@ def load_prompts(path: Path, n: int) -> list[str]:
 Runner = Callable[[], list[list[int]]]
 
 
-def warmcap_runner(path: Path, ids: list[list[int]], max_tokens: int) -> Runner:
+def warmcap_runner(
+    path: Path, ids: list[list[int]], max_tokens: int, *, batch_invariant: bool = False
+) -> Runner:
     from warmcap.engine import LLM
     from warmcap.sampling_params import SamplingParams
 
@@ -41,6 +44,7 @@ def warmcap_runner(path: Path, ids: list[list[int]], max_tokens: int) -> Runner:
         max_num_batched_tokens=max(512, sum(len(p) for p in ids)),
         max_model_len=longest + 16,
         enable_prefix_caching=False,
+        batch_invariant=batch_invariant,
     )
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -92,6 +96,8 @@ def hf_paged_runner(path: Path, ids: list[list[int]], max_tokens: int) -> Runner
 
 PEERS: dict[str, Callable[[Path, list[list[int]], int], Runner]] = {
     "warmcap": warmcap_runner,
+    # the same engine with fixed-shape GEMM tiles (--batch-invariant): the price of invariance
+    "warmcap_batch_invariant": partial(warmcap_runner, batch_invariant=True),
     "hf_generate": hf_generate_runner,
     "hf_paged": hf_paged_runner,
 }

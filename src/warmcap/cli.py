@@ -60,6 +60,10 @@ def main() -> None:
 
 # ---- shared options ------------------------------------------------------------------------------
 
+BATCH_INVARIANT_HELP = (
+    "Fixed-shape GEMM tiles: a token's output never depends on its batch, so graph replays equal "
+    "eager steps bit for bit (slower; Llama-family models)."
+)
 MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
 SPEC_HELP = (
     "Speculative decoding: METHOD[:K][@DRAFT] (e.g. eagle3:3, dflash:7, draft_model:3@./draft) or vLLM JSON."
@@ -79,11 +83,12 @@ def _engine_config(
     dtype: str = "float32",
     device: str = "auto",
     kv_role: str = "none",
+    batch_invariant: bool = False,
 ):
     from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, device=device),
+        model=ModelConfig(model=model, dtype=dtype, device=device, batch_invariant=batch_invariant),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, mamba_cache_mode=mamba_cache_mode),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -177,6 +182,7 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
 ) -> None:
     """Generate text, streamed as it comes; with --spec, acceptance stats follow."""
     from warmcap.engine import LLM
@@ -186,7 +192,11 @@ def generate(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
     )
     llm = LLM(
-        model, speculative_config=None if spec == "none" else spec, max_model_len=max_model_len, dtype=dtype
+        model,
+        speculative_config=None if spec == "none" else spec,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        batch_invariant=batch_invariant,
     )
     use_chat = chat and getattr(llm.tokenizer, "chat_template", None) is not None
     out = Console()
@@ -239,6 +249,7 @@ def run(
     out: str = typer.Option(None, "--out", "-o", help="Also write the JSON report to this file."),
     strict: bool = typer.Option(False, help="Exit non-zero when any graph fails verification."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
@@ -260,6 +271,7 @@ def run(
         max_num_batched_tokens=max_num_batched_tokens,
         mamba_cache_mode=mamba_cache_mode,
         dtype=dtype,
+        batch_invariant=batch_invariant,
     )
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     console = Console()

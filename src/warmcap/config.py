@@ -36,6 +36,9 @@ class ModelConfig:
     seed: int = 0
     # No graph capture at start-up (warmup still runs): the escape hatch vLLM users know.
     enforce_eager: bool = False
+    # Fixed-shape GEMM tiles, so a token's output never depends on its batch (see
+    # models/batch_invariant.py): graph replays then equal eager steps bit for bit, at a speed cost.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model is empty: pass a preset name (e.g. smollm2-135m) or a path")

@@ -112,9 +112,22 @@ class LLMEngine:
             config = config.with_max_model_len(model_max_len)
         self.config = config
         torch.manual_seed(config.model.seed)
-        self.model = load_model(self.model_path, dtype=TORCH_DTYPES[config.model.dtype], device=self.device)
+        self.model = load_model(
+            self.model_path,
+            dtype=TORCH_DTYPES[config.model.dtype],
+            device=self.device,
+            batch_invariant=config.model.batch_invariant,
+        )
         self.tokenizer = _try_tokenizer(load_tokenizer, self.model_path)
         self.drafter = build_drafter(config, self.model)
+        if config.model.batch_invariant and self.drafter is not None:
+            from warmcap.models.batch_invariant import make_batch_invariant
+
+            # Drafter heads are built beside the target (a draft LM was made invariant by its loader).
+            for name in ("model", "head"):
+                module = getattr(self.drafter, name, None)
+                if isinstance(module, torch.nn.Module):
+                    make_batch_invariant(module)
         t_kv = time.perf_counter()
         self.kv_groups = build_kv_groups(self.model, config, self.drafter)
         self.num_blocks = num_kv_blocks(config, self.kv_groups, self.device)
@@ -287,6 +300,7 @@ _KWARG_TARGETS: dict[str, tuple[str, str]] = {
     "device": ("model", "device"),
     "seed": ("model", "seed"),
     "enforce_eager": ("model", "enforce_eager"),
+    "batch_invariant": ("model", "batch_invariant"),
     "block_size": ("cache", "block_size"),
     "num_blocks": ("cache", "num_blocks"),
     "memory_fraction": ("cache", "memory_fraction"),

@@ -210,7 +210,9 @@ def _draft_lm(config: EngineConfig, target: nn.Module, spec_model: str | None) -
 
         model = meta_model(path, config)[0]
     else:
-        model = load_model(path, dtype=target.dtype, device=device)
+        model = load_model(
+            path, dtype=target.dtype, device=device, batch_invariant=config.model.batch_invariant
+        )
     if model.hf_config.vocab_size != target.hf_config.vocab_size:
         raise ConfigError(
             f"draft model {name!r} has vocabulary {model.hf_config.vocab_size} but the target has "

@@ -75,9 +75,14 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    batch_invariant: bool = False,
 ) -> nn.Module:
-    """Build warmcap's implementation of the directory's architecture and load its weights."""
+    """Build warmcap's implementation of the directory's architecture and load its weights
+    (with batch-invariant linear layers when asked, :mod:`warmcap.models.batch_invariant`)."""
     from safetensors import safe_open
 
     hf_config = load_hf_config(path)
@@ -107,6 +112,10 @@ def load_model(
     except ModelLoadError as e:
         origin = where["file"] if where["file"] is not None else Path(path)
         raise ModelLoadError(f"{origin}: {e}") from None
+    if batch_invariant:
+        from warmcap.models.batch_invariant import make_batch_invariant
+
+        make_batch_invariant(model)
     return model.eval()
 
 
