@@ -194,3 +194,39 @@ def test_sparse_mla_layer_matches_plain_reference(index_topk: int) -> None:
     torch.testing.assert_close(torch.cat(outs), want, atol=1e-4, rtol=1e-4)
     # top-k below the context must actually drop tokens; at or above it the layer is dense MLA.
     assert torch.allclose(want, dense, atol=1e-6) == (index_topk >= n)
+
+
+@pytest.mark.parametrize("absorbed_max_query_len", [0, 1, 2])
+def test_uniform_decode_batch_with_a_padded_row_matches_dense_reference(absorbed_max_query_len: int) -> None:
+    """A verify-shaped step (two queries per row, as with one draft token) padded by a row of two PAD
+    tokens, after a prefill: thresholds 0 and 1 take the decompressed path for the whole batch, 2 the
+    absorbed one; either way every real query equals the dense reference and padded queries give 0."""
+    gen = torch.Generator().manual_seed(5)
+    weights = MLAWeights(
+        torch.randn(HEADS, NOPE, RANK, generator=gen), torch.randn(HEADS, VDIM, RANK, generator=gen)
+    )
+    seqs = [9, 6]
+    q_nope = [torch.randn(n, HEADS, NOPE, generator=gen) for n in seqs]
+    q_pe = [torch.randn(n, HEADS, ROPE, generator=gen) for n in seqs]
+    latent = [torch.randn(n, RANK + ROPE, generator=gen) for n in seqs]
+    backend = TorchMLABackend(absorbed_max_query_len)
+    cache = torch.zeros(NUM_BLOCKS + 1, BS, RANK + ROPE)
+    blocks = draw_blocks(seqs, seed=6)
+    prefill = make_meta([n - 2 for n in seqs], [n - 2 for n in seqs], blocks)
+    backend.forward(
+        *(torch.cat([x[: n - 2] for x, n in zip(xs, seqs, strict=True)]) for xs in (q_nope, q_pe, latent)),
+        cache,
+        prefill,
+        weights,
+        scale=0.3,
+    )
+    verify = make_meta(seqs, [2, 2], blocks, pad_tokens=2)
+    assert verify.max_query_len == 2
+    step = [
+        torch.cat([*(x[n - 2 :] for x, n in zip(xs, seqs, strict=True)), xs[0][:2]])
+        for xs in (q_nope, q_pe, latent)
+    ]
+    out = backend.forward(*step, cache, verify, weights, scale=0.3)
+    refs = [dense_mla(q_nope[i], q_pe[i], latent[i], weights, 0.3)[-2:] for i in range(2)]
+    torch.testing.assert_close(out[:4], torch.cat(refs), atol=1e-4, rtol=1e-4)
+    assert torch.count_nonzero(out[4:]) == 0, "padded tokens must give zeros"

@@ -5,6 +5,9 @@ KV group (layer name ``model.layers.N.self_attn.indexer``, :class:`~warmcap.core
 A query's score for context token s is ``sum_h w_h * relu(q_h . k_s) * index_head_dim ** -0.5`` with
 ``w = weights_proj(x) * index_n_heads ** -0.5``; the ``index_topk`` best causal positions are kept.
 RoPE covers the first ``qk_rope_head_dim`` dims of the queries and keys, rotate-half style.
+
+Graph-safe: shapes depend only on host metadata (``num_tokens``, ``max_seq_len``, ``index_topk``),
+so the selection is a fixed-size mask, never a gathered index list.
 """
 
 from __future__ import annotations

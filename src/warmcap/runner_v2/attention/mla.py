@@ -10,7 +10,14 @@ Two equivalent ways to attend:
 - *absorbed* (decode): ``W_UK`` is folded into the query, attention runs directly over the latents,
   and ``W_UV`` is applied to the latent-space output. Cheaper when queries are few.
 
-Rows whose query length is at most ``absorbed_max_query_len`` take the absorbed path.
+The path is chosen per batch from host metadata, so a captured graph holds one fixed path: every
+token takes the absorbed path when ``meta.max_query_len <= absorbed_max_query_len`` (a decode or
+short-verify batch), every token takes the decompressed one otherwise. The two agree to float
+rounding, not bit for bit, so a batch's outputs can move in the last bits when its
+``max_query_len`` crosses the threshold (e.g. padding it for a graph).
+
+Everything here is graph-safe: no host reads of device tensors, no ``*_cpu`` metadata, no
+data-dependent shapes. Padded tokens belong to padded rows (``seq_len`` 0), see nothing and get zeros.
 
 The token/context helpers here (:func:`write_slots`, :func:`gather_context`, :func:`query_layout`)
 are shared by the sparse-MLA indexer, which keeps its own cache in its own KV group.
@@ -92,7 +99,7 @@ class MLAWeights:
 
 
 class TorchMLABackend:
-    """Paged MLA over the latent cache, in plain torch (the CPU reference; graph-safe writes)."""
+    """Paged MLA over the latent cache, in plain torch (the CPU reference; graph-safe)."""
 
     name = "torch_mla"
 
@@ -118,26 +125,14 @@ class TorchMLABackend:
         (sparse MLA); causality and sequence bounds are always applied on top.
         """
         write_slots(kv_cache, latent, meta.slot_mapping)
-        num_tokens = q_nope.shape[0]
-        out = q_nope.new_zeros(num_tokens, q_nope.shape[1], weights.w_uv.shape[1])
         if meta.num_reqs == 0 or meta.max_seq_len == 0:
-            return out
+            return q_nope.new_zeros(*q_nope.shape[:2], weights.w_uv.shape[1])
         context, valid = gather_context(kv_cache, meta)
         rows, positions = query_layout(meta)
-        qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.cpu()
-        query_lens = (qsl[1 : meta.num_reqs + 1] - qsl[: meta.num_reqs]).to(torch.int64)
-        absorbed_rows = query_lens <= self.absorbed_max_query_len
-        absorbed_tok = absorbed_rows.repeat_interleave(query_lens, output_size=int(qsl[meta.num_reqs]))
-        absorbed_tok = torch.nn.functional.pad(absorbed_tok, (0, num_tokens - absorbed_tok.shape[0]))
-        for absorbed in (True, False):
-            idx = torch.nonzero(absorbed_tok == absorbed).flatten().to(q_nope.device)
-            if idx.numel() == 0:
-                continue
-            mask = visible_mask(rows[idx], positions[idx], valid, None if allowed is None else allowed[idx])
-            attend = _attend_absorbed if absorbed else _attend_decompressed
-            res = attend(q_nope[idx], q_pe[idx], context, rows[idx], mask, weights, scale)
-            out.index_copy_(0, idx, res.to(out.dtype))
-        return out
+        mask = visible_mask(rows, positions, valid, allowed)
+        absorbed = meta.max_query_len <= self.absorbed_max_query_len
+        attend = _attend_absorbed if absorbed else _attend_decompressed
+        return attend(q_nope, q_pe, context, rows, mask, weights, scale).to(q_nope.dtype)
 
 
 def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
