@@ -21,11 +21,11 @@ from torch import nn
 
 from warmcap.core.kv_spec import IndexerSpec, KVSpec, MLASpec
 from warmcap.errors import ModelLoadError
-from warmcap.models.layers import GatedMLP, RMSNorm, run_decoder_layers
+from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
+from warmcap.models.layers import GatedMLP
 from warmcap.models.mla import MLAAttention
 from warmcap.models.moe import DeepseekMoE, stacked_expert_target
 from warmcap.models.rope import RotaryEmbedding
-from warmcap.runner_v2.attention.base import ForwardContext
 from warmcap.runner_v2.attention.mla import TorchMLABackend
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -41,37 +41,19 @@ def is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
     return layer_idx >= (hf_config.first_k_dense_replace or 0)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, hf_config: Any, layer_idx: int, backend: TorchMLABackend) -> None:
-        super().__init__()
-        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = MLAAttention(hf_config, layer_idx, backend)
-        self.mlp: nn.Module
+        hidden = hf_config.hidden_size
+        attn = MLAAttention(hf_config, layer_idx, backend)
+        mlp: nn.Module
         if is_moe_layer(hf_config, layer_idx):
-            self.mlp = DeepseekMoE(hf_config)
+            mlp = DeepseekMoE(hf_config)
         else:
-            self.mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act)
+        super().__init__(hidden, hf_config.rms_norm_eps, attn, mlp)
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, hf_config: Any, backend: TorchMLABackend) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(hf_config, i, backend) for i in range(hf_config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-
-
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
     """DeepSeek-V3 causal LM whose MLA layers run through the paged latent cache.
 
     ``mla_backend`` is shared by every layer; swap it (e.g. a GPU kernel) by assigning
@@ -85,53 +67,21 @@ class DeepseekV3ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         mla_backend: TorchMLABackend | None = None,
     ) -> None:
-        super().__init__()
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         if kv_heads != hf_config.num_attention_heads:
             raise ModelLoadError(
                 f"MLA needs num_key_value_heads == num_attention_heads; got {hf_config.num_key_value_heads} "
                 f"and {hf_config.num_attention_heads}: fix config.json"
             )
-        self.hf_config = hf_config
-        self.dtype = dtype
-        self.mla_backend = mla_backend or TorchMLABackend()
-        self.model = DeepseekModel(hf_config, self.mla_backend)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.tie_weights()
-        self.rotary = RotaryEmbedding.from_config(hf_config, hf_config.qk_rope_head_dim)
-        self.to(dtype)
+        backend = mla_backend or TorchMLABackend()
+        layers = (DeepseekDecoderLayer(hf_config, i, backend) for i in range(hf_config.num_hidden_layers))
+        rotary = RotaryEmbedding.from_config(hf_config, hf_config.qk_rope_head_dim)
+        super().__init__(hf_config, DecoderModel(hf_config, layers), rotary, dtype=dtype)
+        self.mla_backend = backend
         for module in self.modules():
             if isinstance(module, DeepseekMoE):
                 # Routing stays in float32 whatever the activation dtype (ties flip otherwise).
                 module.gate.float()
-
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with the LM head when the config ties them."""
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        *,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[T] ids and positions -> final-normed hidden states [T, hidden]; aux hidden states as
-        in :meth:`warmcap.models.llama.LlamaForCausalLM.forward`."""
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        h = run_decoder_layers(self.model.layers, h, cos, sin, ctx)
-        return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
 
     def kv_layer_specs(
         self,

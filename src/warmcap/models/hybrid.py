@@ -16,7 +16,8 @@ from torch import nn
 
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, MambaSpec
 from warmcap.errors import ModelLoadError
-from warmcap.models.layers import GatedMLP, RMSNorm, run_decoder_layers
+from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
+from warmcap.models.layers import GatedMLP
 from warmcap.models.llama import ArchTraits, LlamaAttention, LlamaForCausalLM
 from warmcap.models.mamba2 import Mamba2Mixer
 from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
@@ -26,6 +27,19 @@ from warmcap.runner_v2.attention.base import ForwardContext
 def rotary_dim_of(hf_config: Any, head_dim: int) -> int:
     """Rotated dims per head: ``head_dim * partial_rotary_factor`` (HF Bamba hardcodes 0.5)."""
     return int(head_dim * rope_parameters(hf_config).get("partial_rotary_factor", 1.0))
+
+
+def bamba_rotary(hf_config: Any) -> RotaryEmbedding:
+    """Default RoPE over the first :func:`rotary_dim_of` dims of each attention head."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "default":
+        raise ModelLoadError(f"Bamba rope_type {params['rope_type']!r} is not supported; only 'default' is")
+    rot = rotary_dim_of(hf_config, head_dim)
+    # NOTE: built on CPU explicitly: models are constructed under ``torch.device("meta")``.
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, rot, 2, device="cpu").to(torch.float32) / rot
+    return RotaryEmbedding(rot, "default", base, 1.0 / (base**exponents))
 
 
 class PartialRopeAttention(LlamaAttention):
@@ -44,99 +58,44 @@ class PartialRopeAttention(LlamaAttention):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class BambaDecoderLayer(nn.Module):
+class BambaDecoderLayer(PreNormDecoderLayer):
+    """Attention (``self_attn``) or a Mamba2 mixer (``mamba``), then the MLP ``feed_forward``."""
+
     def __init__(self, hf_config: Any, layer_idx: int, is_attention: bool) -> None:
-        super().__init__()
-        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn: PartialRopeAttention | None = None
-        self.mamba: Mamba2Mixer | None = None
+        hidden = hf_config.hidden_size
+        mixer: nn.Module
         if is_attention:
-            self.self_attn = PartialRopeAttention(hf_config, layer_idx, ArchTraits())
+            mixer = PartialRopeAttention(hf_config, layer_idx, ArchTraits())
         else:
-            self.mamba = Mamba2Mixer(hf_config, f"model.layers.{layer_idx}.mamba")
-        self.feed_forward = GatedMLP(
+            mixer = Mamba2Mixer(hf_config, f"model.layers.{layer_idx}.mamba")
+        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        super().__init__(
             hidden,
-            hf_config.intermediate_size,
-            hf_config.hidden_act,
-            bias=bool(getattr(hf_config, "mlp_bias", False)),
+            hf_config.rms_norm_eps,
+            mixer,
+            GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act, bias=mlp_bias),
+            mixer_name="self_attn" if is_attention else "mamba",
+            mlp_name="feed_forward",
+            post_norm_name="pre_ff_layernorm",
         )
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.pre_ff_layernorm = RMSNorm(hidden, eps)
+        self.is_attention = is_attention
 
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        normed = self.input_layernorm(h)
-        if self.self_attn is not None:
-            h = h + self.self_attn(normed, cos, sin, ctx)
-        elif self.mamba is not None:
-            h = h + self.mamba(normed, ctx)
-        return h + self.feed_forward(self.pre_ff_layernorm(h))
+    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.is_attention:
+            return self.mixer(x, cos, sin, ctx)
+        # Mamba takes no RoPE: position lives in its recurrent state.
+        return self.mixer(x, ctx)
 
 
-class BambaModel(nn.Module):
-    def __init__(self, hf_config: Any) -> None:
-        super().__init__()
-        attention = set(hf_config.attn_layer_indices or ())
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(
-            BambaDecoderLayer(hf_config, i, i in attention) for i in range(hf_config.num_hidden_layers)
-        )
-        self.final_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-
-
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(DecoderForCausalLM):
     """Bamba hybrid causal LM: attention through ``ctx.attention``, Mamba2 state through its group's
     :class:`~warmcap.runner_v2.mamba_state.MambaMetadata`."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.hf_config = hf_config
-        self.dtype = dtype
-        self.model = BambaModel(hf_config)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.tie_weights()
-        head_dim = (
-            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        )
-        params = rope_parameters(hf_config)
-        if params["rope_type"] != "default":
-            raise ModelLoadError(
-                f"Bamba rope_type {params['rope_type']!r} is not supported; only 'default' is"
-            )
-        rot = rotary_dim_of(hf_config, head_dim)
-        # NOTE: built on CPU explicitly: models are constructed under ``torch.device("meta")``.
-        exponents = torch.arange(0, rot, 2, device="cpu").to(torch.float32) / rot
-        inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
-        self.rotary = RotaryEmbedding(rot, "default", float(params["rope_theta"]), inv_freq)
-        self.to(dtype)
-
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with the LM head when the config ties them."""
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        *,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[T] ids and positions -> final-normed hidden states [T, hidden]."""
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        h = run_decoder_layers(self.model.layers, h, cos, sin, ctx)
-        return self.model.final_layernorm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        attention = set(hf_config.attn_layer_indices or ())
+        layers = (BambaDecoderLayer(hf_config, i, i in attention) for i in range(hf_config.num_hidden_layers))
+        model = DecoderModel(hf_config, layers, norm_name="final_layernorm")
+        super().__init__(hf_config, model, bamba_rotary(hf_config), dtype=dtype)
 
     def kv_layer_specs(
         self,
@@ -159,16 +118,16 @@ class BambaForCausalLM(nn.Module):
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         specs: dict[str, KVSpec] = {}
         for layer in self.model.layers:
-            if layer.self_attn is not None:
-                attn = layer.self_attn
-                specs[attn.layer_name] = FullAttentionSpec(
-                    block_size, dtype_bytes, num_kv_heads=attn.num_kv_heads, head_size=attn.head_dim
+            mixer = layer.mixer
+            if layer.is_attention:
+                specs[mixer.layer_name] = FullAttentionSpec(
+                    block_size, dtype_bytes, num_kv_heads=mixer.num_kv_heads, head_size=mixer.head_dim
                 )
-            elif layer.mamba is not None:
-                specs[layer.mamba.layer_name] = MambaSpec(
+            else:
+                specs[mixer.layer_name] = MambaSpec(
                     mamba_block_size,
                     dtype_bytes,
-                    state_shapes=layer.mamba.state_shapes,
+                    state_shapes=mixer.state_shapes,
                     cache_mode=mamba_cache_mode,
                     num_speculative_blocks=num_speculative_blocks,
                 )

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from warmcap.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from warmcap.runner_v2.attention.base import ForwardContext
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -57,21 +53,3 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-def run_decoder_layers(
-    layers: nn.ModuleList, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-) -> torch.Tensor:
-    """Run ``layers`` in order; for each index i in ``ctx.aux_hidden_state_layers`` (in the listed
-    order) append the residual stream *entering* layer i to ``ctx.aux_hidden_states`` (index 0 is
-    the embeddings, ``len(layers)`` the last layer's output before the final norm)."""
-    wanted = ctx.aux_hidden_state_layers
-    captured: dict[int, torch.Tensor] = {}
-    for i, layer in enumerate(layers):
-        if i in wanted:
-            captured[i] = h
-        h = layer(h, cos, sin, ctx)
-    if len(layers) in wanted:
-        captured[len(layers)] = h
-    ctx.aux_hidden_states.extend(captured[i] for i in wanted)
-    return h

@@ -16,7 +16,8 @@ from torch import nn
 
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from warmcap.errors import ModelLoadError
-from warmcap.models.layers import GatedMLP, RMSNorm, run_decoder_layers
+from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
+from warmcap.models.layers import GatedMLP, RMSNorm
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 from warmcap.runner_v2.attention.base import ForwardContext
 
@@ -88,84 +89,26 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, hf_config: Any, layer_idx: int, traits: ArchTraits) -> None:
-        super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(hf_config, layer_idx, traits)
-        self.mlp = GatedMLP(
+        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
+        super().__init__(
             hf_config.hidden_size,
-            hf_config.intermediate_size,
-            hf_config.hidden_act,
-            bias=bool(getattr(hf_config, "mlp_bias", False)),
+            hf_config.rms_norm_eps,
+            LlamaAttention(hf_config, layer_idx, traits),
+            GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, bias=mlp_bias),
         )
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-
-    def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, traits: ArchTraits) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, traits) for i in range(hf_config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderForCausalLM):
     """A Llama-family causal LM whose attention runs through :class:`ForwardContext`."""
 
     traits: ClassVar[ArchTraits] = ArchTraits()
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.hf_config = hf_config
-        self.dtype = dtype
-        self.model = LlamaModel(hf_config, self.traits)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.tie_weights()
-        self.rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
-        self.to(dtype)
-
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with the LM head when the config ties them."""
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-        *,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[T] ids and positions -> final-normed hidden states [T, hidden].
-
-        ``ctx.aux_hidden_state_layers`` (EAGLE-3): for each listed index i, in the listed order, the
-        residual stream *entering* layer i (the output of layer i-1; index 0 is the embeddings and
-        ``num_hidden_layers`` the last layer's output before the final norm) is appended to
-        ``ctx.aux_hidden_states``. This equals transformers' ``hidden_states[i]`` for i < L.
-        """
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        h = run_decoder_layers(self.model.layers, h, cos, sin, ctx)
-        return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        layers = (LlamaDecoderLayer(hf_config, i, self.traits) for i in range(hf_config.num_hidden_layers))
+        rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+        super().__init__(hf_config, DecoderModel(hf_config, layers), rotary, dtype=dtype)
 
     def kv_layer_specs(
         self,

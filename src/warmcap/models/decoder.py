@@ -1,0 +1,160 @@
+"""The decoder skeleton the models share: a pre-norm residual layer, the layer loop (with EAGLE-3's
+aux hidden states), HF's ``model`` container (``embed_tokens`` -> ``layers`` -> final norm) and the
+causal-LM shell around it (RoPE, LM head).
+
+Checkpoints load by parameter name, so the parts are registered under the names each architecture's
+checkpoint uses (``self_attn``/``mamba``, ``mlp``/``feed_forward``, ``norm``/``final_layernorm`` ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from warmcap.models.layers import RMSNorm
+
+if TYPE_CHECKING:
+    from warmcap.models.rope import RotaryEmbedding
+    from warmcap.runner_v2.attention.base import ForwardContext
+
+
+class PreNormDecoderLayer(nn.Module):
+    """``h + mixer(input_layernorm(h))``, then ``h + mlp(post_norm(h))``.
+
+    The mixer is called as attention, ``mixer(x, cos, sin, ctx)``; a layer whose mixer takes other
+    arguments overrides :meth:`mix`. ``*_name`` are the checkpoint's names for the parts.
+    """
+
+    # NOTE: no part may be named like an attribute of this class (``mixer``, ``ffn``, ``post_norm``,
+    # ``mix``): ``add_module`` would raise.
+
+    def __init__(
+        self,
+        hidden: int,
+        eps: float,
+        mixer: nn.Module,
+        mlp: nn.Module,
+        *,
+        mixer_name: str = "self_attn",
+        mlp_name: str = "mlp",
+        post_norm_name: str = "post_attention_layernorm",
+    ) -> None:
+        super().__init__()
+        self._mixer_name, self._mlp_name, self._post_norm_name = mixer_name, mlp_name, post_norm_name
+        self.add_module(mixer_name, mixer)
+        self.add_module(mlp_name, mlp)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.add_module(post_norm_name, RMSNorm(hidden, eps))
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self._mixer_name)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self._mlp_name)
+
+    @property
+    def post_norm(self) -> nn.Module:
+        return getattr(self, self._post_norm_name)
+
+    def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.mixer(x, cos, sin, ctx)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.mix(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.ffn(self.post_norm(h))
+
+
+def run_decoder_layers(
+    layers: nn.ModuleList, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+) -> torch.Tensor:
+    """Run ``layers`` in order; for each index i in ``ctx.aux_hidden_state_layers`` (in the listed
+    order) append the residual stream *entering* layer i to ``ctx.aux_hidden_states`` (index 0 is
+    the embeddings, ``len(layers)`` the last layer's output before the final norm)."""
+    wanted = ctx.aux_hidden_state_layers
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        if i in wanted:
+            captured[i] = h
+        h = layer(h, cos, sin, ctx)
+    if len(layers) in wanted:
+        captured[len(layers)] = h
+    ctx.aux_hidden_states.extend(captured[i] for i in wanted)
+    return h
+
+
+class DecoderModel(nn.Module):
+    """HF's ``model`` module: ``embed_tokens``, ``layers`` and the final RMSNorm (``norm_name``)."""
+
+    def __init__(self, hf_config: Any, layers: Iterable[nn.Module], *, norm_name: str = "norm") -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self._norm_name = norm_name
+        self.add_module(norm_name, RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps))
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return getattr(self, self._norm_name)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Embedded inputs [T, hidden] -> final-normed hidden states, collecting aux hidden states as
+        :func:`run_decoder_layers` does."""
+        return self.final_norm(run_decoder_layers(self.layers, h, cos, sin, ctx))
+
+
+class DecoderForCausalLM(nn.Module):
+    """A causal LM over a :class:`DecoderModel`: RoPE from ``rotary``, an LM head tied to the
+    embedding when the config says so, parameters cast to ``dtype``."""
+
+    def __init__(
+        self, hf_config: Any, model: DecoderModel, rotary: RotaryEmbedding, *, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.model = model
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tie_weights()
+        self.rotary = rotary
+        self.to(dtype)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config ties them."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[T] ids and positions -> final-normed hidden states [T, hidden].
+
+        ``ctx.aux_hidden_state_layers`` (EAGLE-3): for each listed index i, in the listed order, the
+        residual stream *entering* layer i (the output of layer i-1; index 0 is the embeddings and
+        ``num_hidden_layers`` the last layer's output before the final norm) is appended to
+        ``ctx.aux_hidden_states``. This equals transformers' ``hidden_states[i]`` for i < L.
+        """
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        return self.model(h, cos, sin, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head(hidden).float()
