@@ -13,6 +13,7 @@ from rich.console import Console
 from warmcap.errors import ConfigError
 from warmcap.graphs.capture import GraphCapturer
 from warmcap.graphs.descriptors import BatchDescriptor, CUDAGraphMode
+from warmcap.graphs.planning import plan_target_graphs
 from warmcap.graphs.render import render
 from warmcap.graphs.report import SpecInfo, report_schema
 from warmcap.graphs.startup import capture_graphs
@@ -114,3 +115,11 @@ def test_graph_memory_on_static_is_the_output_buffer(captured) -> None:
     _, startup, _ = captured
     for g in startup.result.graphs:
         assert g.memory_bytes == g.spec.num_tokens * 32 * torch.float32.itemsize
+
+
+def test_cuda_planning_keeps_every_graph_of_a_model_without_mamba_layers() -> None:
+    """Only Mamba layers make the ``cuda`` plan drop ragged graphs (see test_mamba_graphs)."""
+    rig = make_rig(k=1)
+    static = plan_target_graphs(rig.runner, backend="static")
+    assert plan_target_graphs(rig.runner, backend="cuda") == static
+    assert {s.phase for s in static.specs} == {"decode", "mixed"}

@@ -129,6 +129,14 @@ class Drafter(ABC):
         capture records exactly this call over static buffers."""
         raise NotImplementedError(f"{type(self).__name__} has no model pass (graph_shapes() is empty)")
 
+    def state_metadata(
+        self, runner: ModelRunner, metas: dict[str, AttentionMetadata], *, static: bool = False
+    ) -> dict[str, AttentionMetadata]:
+        """``metas`` with whatever per-pass state columns the drafter's own groups need (a draft
+        LM's Mamba groups); ``static``: they belong to a graph and are refilled in place. Drafters
+        without such groups return ``metas`` as they are."""
+        return metas
+
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor | None:
         """The draft token each output row of a ``phase`` pass would propose (None when the pass
         only writes context), for graph verification."""

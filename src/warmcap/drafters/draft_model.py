@@ -14,6 +14,7 @@ draft positions are rewritten by the next prefill before anything reads them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from warmcap.drafters.paged import (
     run_pass,
 )
 from warmcap.kv_layout import layer_specs
-from warmcap.runner_v2.mamba_state import MambaMetadata, draft_state_metadata
+from warmcap.runner_v2.mamba_state import draft_row_plans, mamba_metadata
 
 if TYPE_CHECKING:
     from torch import nn
@@ -79,14 +80,24 @@ class DraftModelDrafter(Drafter):
         positions: torch.Tensor,
         features: torch.Tensor | None,
     ) -> torch.Tensor:
-        metas = dict(metas)
-        for group in self._groups:
-            # Graph passes arrive with plain metadata: a Mamba draft LM needs its state columns.
-            if isinstance(group.spec, MambaSpec) and not isinstance(metas[group.name], MambaMetadata):
-                tables, known = runner.batch.block_tables[group.name].table, runner.batch.num_tokens
-                metas[group.name] = draft_state_metadata(group.spec, metas[group.name], tables, known)[0]
-        ctx = draft_context(runner, self._groups, metas, self._layer_names)
+        ctx = draft_context(runner, self._groups, self.state_metadata(runner, metas), self._layer_names)
         return self.model.forward(input_ids, positions, ctx)
+
+    def state_metadata(
+        self, runner: ModelRunner, metas: dict[str, AttentionMetadata], *, static: bool = False
+    ) -> dict[str, AttentionMetadata]:
+        """``metas`` with the state columns of the draft LM's Mamba groups for the pass loaded now
+        (eager passes arrive with them; a graph's static entries are refilled in place, see
+        :func:`~warmcap.runner_v2.mamba_state.mamba_metadata`). ``static``: ``metas`` belong to a
+        graph; keep the returned dict and pass it back on every pass."""
+        out = dict(metas)
+        for group in self._groups:
+            spec = group.spec
+            if isinstance(spec, MambaSpec):
+                tables, known = runner.batch.block_tables[group.name].table, runner.batch.num_tokens
+                plans_of = partial(draft_row_plans, spec, tables=tables, num_known_tokens=known)
+                out[group.name] = mamba_metadata(metas[group.name], plans_of, static=static)
+        return out
 
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
         return self._draft(output)

@@ -10,6 +10,11 @@ Target graphs output the final hidden states and, when the runner asks for them 
 DFlash), the auxiliary hidden states of its ``aux_hidden_state_layers`` as further static outputs.
 Drafter graphs run :meth:`Drafter.forward_pass` over :class:`DraftStatics`.
 
+Mamba state columns are planned on the host per step (``runner_v2.mamba_state``): a shape's
+metadata holds *static* ``MambaMetadata`` (made once), which every eager pass over it refills in
+place, and which ``cuda`` refills before recording and before each replay (capture itself cannot
+plan: planning reads device tensors on the host).
+
 Backends:
 - ``cuda``: ``torch.cuda.CUDAGraph`` per shape, one ``graph_pool_handle()`` pool; needs
   ``torch.cuda.is_available()`` and a runner on a CUDA device.
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from warmcap.errors import ConfigError
+from warmcap.graphs.graph_safety import GraphSafety, check_graph_safe
 from warmcap.graphs.planning import GraphPlan, GraphSpec, plan_draft_graphs, plan_target_graphs
 from warmcap.graphs.static_inputs import DraftStatics, empty_step, graph_metadata, load_padded
 
@@ -54,6 +60,9 @@ class CapturedGraph:
     memory_bytes: int = 0
     #: static auxiliary hidden states ``[num_tokens, H]`` (target graphs of EAGLE-3 / DFlash runners)
     aux: list[torch.Tensor] = field(default_factory=list)
+    #: would it record under CUDA (``static`` / ``compile``: checked on the largest graph of each
+    #: phase with fake tensors; None: not checked)
+    safety: GraphSafety | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +88,7 @@ class GraphCapturer:
         *,
         capture_sizes: list[int] | None = None,
         drafter_graphs: bool = True,
+        check_cuda_safety: bool = True,
     ):
         if backend not in GRAPH_BACKENDS:
             raise ConfigError(f"unknown graph backend {backend!r}: use one of {', '.join(GRAPH_BACKENDS)}")
@@ -89,8 +99,12 @@ class GraphCapturer:
             )
         self.runner = runner
         self.backend = backend
-        self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes)
-        self.draft_plan = plan_draft_graphs(runner, self.plan) if drafter_graphs else GraphPlan([], [], [])
+        # A CPU backend cannot show that the forward would record under CUDA: check it on fakes.
+        self.check_cuda_safety = check_cuda_safety and backend != "cuda"
+        self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes, backend=backend)
+        self.draft_plan = (
+            plan_draft_graphs(runner, self.plan, backend=backend) if drafter_graphs else GraphPlan([], [], [])
+        )
         self.drafts: DraftStatics | None = (
             DraftStatics.for_runner(runner, runner.drafter) if self.draft_plan.specs else None
         )
@@ -107,13 +121,24 @@ class GraphCapturer:
         load_padded(buffers, step if step is not None else empty_step(buffers), spec)
 
     def metadata(self, spec: GraphSpec) -> dict[str, AttentionMetadata]:
-        """``spec``'s fixed metadata over its static buffers (made once, right after a load)."""
+        """``spec``'s fixed metadata over its static buffers (made once, right after a load), Mamba
+        groups' entries included (static: refilled in place for whatever is loaded)."""
         metas = self._metas.get(spec.label)
         if metas is None:
             buffers = self._draft_statics().buffers if spec.is_draft else self.runner.buffers
-            metas = graph_metadata(buffers, spec, self.runner.max_model_len)
+            metas = self.refresh_states(spec, graph_metadata(buffers, spec, self.runner.max_model_len))
             self._metas[spec.label] = metas
         return metas
+
+    def refresh_states(
+        self, spec: GraphSpec, metas: dict[str, AttentionMetadata]
+    ) -> dict[str, AttentionMetadata]:
+        """Mamba state columns of the step loaded in ``spec``'s buffers, written into ``metas``'
+        static entries in place (plain entries become static ones: keep the returned dict)."""
+        runner = self.runner
+        if not spec.is_draft:
+            return runner.mamba_states.metadata(metas, static=True)
+        return runner.drafter.state_metadata(runner, metas, static=True)
 
     def eager(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> torch.Tensor:
         """The eager forward over the loaded static buffers with ``spec``'s fixed metadata."""
@@ -140,9 +165,15 @@ class GraphCapturer:
             self.eager(spec, self.metadata(spec))
             result.order.append(("eager", spec.label))
         self._sync()
+        checked: set[str] = set()
         for group in (self.plan.specs, self.draft_plan.specs):
             for spec in sorted(group, key=lambda s: (s.num_tokens, s.rows), reverse=True):
-                result.graphs.append(self._capture_one(spec))
+                graph = self._capture_one(spec)
+                if self.check_cuda_safety and spec.phase not in checked:
+                    # The code path depends on the phase, not the size: the largest graph stands for it.
+                    checked.add(spec.phase)
+                    graph.safety = check_graph_safe(self, graph)
+                result.graphs.append(graph)
                 result.order.append(("capture", spec.label))
         return result
 
@@ -156,6 +187,7 @@ class GraphCapturer:
         if self.backend == "cuda":
             free_before = torch.cuda.mem_get_info(runner.device)[0]
             graph = torch.cuda.CUDAGraph()
+            self.refresh_states(spec, metas)
             backend.prepare_for_capture(metas)
             with torch.cuda.graph(graph, pool=self._pool):
                 output, aux = self.forward(spec, metas)
@@ -163,6 +195,8 @@ class GraphCapturer:
             memory = max(0, free_before - torch.cuda.mem_get_info(runner.device)[0])
 
             def replay() -> None:
+                # The recorded graph reads the static Mamba block tensors: refill them first.
+                self.refresh_states(spec, metas)
                 backend.prepare_for_replay(metas)
                 graph.replay()
 

@@ -1,16 +1,27 @@
 """Which graphs a runner gets: target uniform-decode FULL graphs plus mixed graphs on the ladder,
-then the drafter's ``draft_prefill`` (on the target's token counts) and ``draft_decode`` graphs."""
+then the drafter's ``draft_prefill`` (on the target's token counts) and ``draft_decode`` graphs.
+
+Mamba layers are graph-safe only on uniform batches of at most ``MAX_UNIFORM_QUERY_LEN`` queries per
+row (see :mod:`warmcap.models.mamba2`); ragged ones run a per-row scan over host lists. With the
+``cuda`` backend a model with Mamba layers therefore gets no mixed graphs (and a draft LM with Mamba
+layers no draft-prefill graphs); ``static`` and ``compile`` record nothing and keep them all.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from warmcap.core.kv_spec import MambaSpec
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_PREFILL
 from warmcap.graphs.descriptors import BatchDescriptor, CUDAGraphMode
 from warmcap.graphs.sizes import default_capture_sizes, uniform_decode_sizes
+from warmcap.models.mamba2 import MAX_UNIFORM_QUERY_LEN
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
@@ -48,25 +59,47 @@ class GraphSpec:
 
 @dataclass(frozen=True, slots=True)
 class GraphPlan:
-    """Graphs to capture, the mixed-graph sizes used, and why anything was left out."""
+    """Graphs to capture, the ladder sizes of ragged graphs (target mixed graphs, the drafter's
+    draft prefills), and why anything was left out."""
 
     specs: list[GraphSpec]
     capture_sizes: list[int]
     notes: list[str]
 
 
-def plan_target_graphs(runner: ModelRunner, *, capture_sizes: list[int] | None = None) -> GraphPlan:
+def _records_mamba(backend: str, groups: Iterable[KVCacheGroup]) -> bool:
+    """Whether ``backend`` records graphs over passes through Mamba layers (some of ``groups``)."""
+    return backend == "cuda" and any(isinstance(g.spec, MambaSpec) for g in groups)
+
+
+def _uniform_fits(mamba: bool, q: int, phase: str, notes: list[str]) -> bool:
+    """Whether uniform graphs of ``q`` queries per row are graph-safe; notes why not."""
+    if mamba and q > MAX_UNIFORM_QUERY_LEN:
+        notes.append(
+            f"Mamba layers run {q} queries per row through their ragged scan (graph-safe up to "
+            f"{MAX_UNIFORM_QUERY_LEN}): {phase} batches run eagerly"
+        )
+        return False
+    return True
+
+
+def plan_target_graphs(
+    runner: ModelRunner, *, capture_sizes: list[int] | None = None, backend: str = "static"
+) -> GraphPlan:
     """Uniform-decode FULL graphs for ``1..max_num_seqs`` requests of ``1 + k`` tokens, then mixed
-    graphs on ``capture_sizes`` (default ladder), all bounded by the runner's token buffers."""
+    graphs on ``capture_sizes`` (default ladder), all bounded by the runner's token buffers.
+    ``backend`` is the capture backend: ``cuda`` leaves out what Mamba layers cannot record."""
     config = runner.config
     k = config.num_speculative_tokens
     q = config.uniform_decode_query_len
     max_reqs = runner.max_num_reqs
     max_tokens = runner.max_num_tokens
     notes: list[str] = []
+    mamba = _records_mamba(backend, (g for g in runner.kv_groups if not g.is_drafter))
+    decode_sizes = uniform_decode_sizes(max_reqs, k) if _uniform_fits(mamba, q, "decode", notes) else []
     specs = [
         GraphSpec("decode", BatchDescriptor(CUDAGraphMode.FULL, n, n // q, q), n // q)
-        for n in uniform_decode_sizes(max_reqs, k)
+        for n in decode_sizes
         if n <= max_tokens
     ]
     sizes = capture_sizes if capture_sizes is not None else default_capture_sizes(max_reqs, k)
@@ -84,6 +117,14 @@ def plan_target_graphs(runner: ModelRunner, *, capture_sizes: list[int] | None =
             "mixed prefill/decode batches run eagerly"
         )
         return GraphPlan(specs, [], notes)
+    if mamba:
+        # NOTE: the sizes stay in the plan: a drafter without Mamba layers (EAGLE on a hybrid
+        # target) still captures its draft prefills on them.
+        notes.append(
+            "CUDA graphs cannot record the ragged scan (host lists) of the model's Mamba layers: "
+            "mixed prefill/decode batches run eagerly"
+        )
+        return GraphPlan(specs, kept, notes)
     indexed = any(g.spec.kind == "indexer" for g in runner.kv_groups)
     phase = "sparse_mla" if indexed else "mixed"
     for size in kept:
@@ -92,16 +133,18 @@ def plan_target_graphs(runner: ModelRunner, *, capture_sizes: list[int] | None =
     return GraphPlan(specs, kept, notes)
 
 
-def plan_draft_graphs(runner: ModelRunner, target: GraphPlan) -> GraphPlan:
+def plan_draft_graphs(runner: ModelRunner, target: GraphPlan, *, backend: str = "static") -> GraphPlan:
     """The drafter's graphs: ``draft_prefill`` (ragged, like a mixed batch) on the target's mixed
     capture sizes (a prefill after a decode step is ragged, so the uniform sizes would rarely fit
     exactly and only add graphs), and ``draft_decode`` FULL uniform graphs of the drafter's query length for
-    ``1..max_num_seqs`` requests. Empty for drafters without graph shapes (ngram)."""
+    ``1..max_num_seqs`` requests. Empty for drafters without graph shapes (ngram). ``backend`` as
+    for :func:`plan_target_graphs` (a draft LM with Mamba layers gets no draft prefills on ``cuda``)."""
     drafter = runner.drafter
     shapes_of = getattr(drafter, "graph_shapes", None)
     shapes = shapes_of() if shapes_of is not None else []
     if not shapes or not drafter.graph_groups():
         return GraphPlan([], [], [])
+    mamba = _records_mamba(backend, drafter.graph_groups())
     max_reqs = runner.max_num_reqs
     notes: list[str] = []
     specs: list[GraphSpec] = []
@@ -113,12 +156,18 @@ def plan_draft_graphs(runner: ModelRunner, target: GraphPlan) -> GraphPlan:
                     "draft prefills run eagerly"
                 )
                 continue
+            if mamba:
+                notes.append(
+                    "CUDA graphs cannot record the ragged scan (host lists) of the draft model's "
+                    "Mamba layers: draft prefills run eagerly"
+                )
+                continue
             for size in target.capture_sizes:
                 cap = min(size, max_reqs)
                 specs.append(
                     GraphSpec(DRAFT_PREFILL, BatchDescriptor(CUDAGraphMode.FULL, size, cap), cap + 1)
                 )
-        elif shape.query_len is not None:
+        elif shape.query_len is not None and _uniform_fits(mamba, shape.query_len, DRAFT_DECODE, notes):
             q = shape.query_len
             specs += [
                 GraphSpec(DRAFT_DECODE, BatchDescriptor(CUDAGraphMode.FULL, q * n, n, q), n)

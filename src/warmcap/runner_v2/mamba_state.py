@@ -19,12 +19,19 @@ draft tokens of a verify step) the columns are:
 
 NOTE: boundaries crossed only by draft tokens are not written in ``all`` mode: a draft's state may
 be rolled back, so a prefix-cache entry must never trust it.
+
+Graphs: a recorded CUDA graph keeps the addresses of the read/write block tensors it saw. Metadata
+over a graph's static buffers is therefore *static* (``MambaMetadata.static``): made once, kept by
+its owner (the graph's metadata dict), and refilled in place before every pass over it
+(:func:`mamba_metadata`), so a replay reads this step's columns. One-off metadata of an eager step
+is built fresh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from math import prod
 
 import numpy as np
@@ -44,10 +51,13 @@ class MambaMetadata(AttentionMetadata):
     - ``read_blocks`` int64 [R]: the block holding the state a row starts from; -1: zero state
       (a new request, or a padded row).
     - ``write_blocks`` int64 [T]: the block receiving the state reached after token t; -1: none.
+    - ``static``: the metadata of a graph's static buffers: every pass refills ``read_blocks`` and
+      ``write_blocks`` in place (same tensors) for the step loaded there.
     """
 
     read_blocks: torch.Tensor | None = None
     write_blocks: torch.Tensor | None = None
+    static: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +133,9 @@ def _block_at(table: torch.Tensor, row: int, column: int) -> int:
     return int(table[row, column]) if column < table.shape[1] else 0
 
 
-def build_mamba_metadata(meta: AttentionMetadata, plans: Sequence[StatePlan]) -> MambaMetadata:
-    """``meta`` (the Mamba group's step metadata) plus the read/write blocks of ``plans`` (one per
-    real row, in row order); padded rows and tokens get -1."""
+def state_blocks(meta: AttentionMetadata, plans: Sequence[StatePlan]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host ``(read_blocks [R], write_blocks [T])`` of ``plans`` (one per real row, in row order)
+    over ``meta``'s block table; padded rows and tokens get -1."""
     table = meta.block_table.cpu()
     qsl = (meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc).cpu()
     read = torch.full((meta.num_reqs,), NO_BLOCK, dtype=torch.int64)
@@ -135,9 +145,54 @@ def build_mamba_metadata(meta: AttentionMetadata, plans: Sequence[StatePlan]) ->
             read[row] = _block_at(table, row, plan.read_column)
         for index, column in plan.writes:
             write[int(qsl[row]) + index] = _block_at(table, row, column)
+    return read, write
+
+
+def build_mamba_metadata(
+    meta: AttentionMetadata, plans: Sequence[StatePlan], *, static: bool = False
+) -> MambaMetadata:
+    """``meta`` (the Mamba group's step metadata) plus the read/write blocks of ``plans`` (one per
+    real row, in row order); padded rows and tokens get -1."""
     device = meta.block_table.device
     fields = {name: getattr(meta, name) for name in AttentionMetadata.__dataclass_fields__}
-    return MambaMetadata(**fields, read_blocks=read.to(device), write_blocks=write.to(device))
+    # NOTE: normal tensors even under inference mode: static metadata is refilled in place later,
+    # which an inference tensor refuses outside inference mode.
+    with torch.inference_mode(False):
+        read, write = (t.to(device) for t in state_blocks(meta, plans))
+    return MambaMetadata(**fields, read_blocks=read, write_blocks=write, static=static)
+
+
+def stream_capturing() -> bool:
+    """Whether a CUDA graph is being recorded on the current stream (never on a CPU-only build)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def mamba_metadata(
+    meta: AttentionMetadata,
+    plans_of: Callable[[AttentionMetadata], Sequence[StatePlan]],
+    *,
+    static: bool = False,
+) -> AttentionMetadata:
+    """The :class:`MambaMetadata` a pass over ``meta`` uses (``plans_of(meta)``: its row plans).
+
+    - static metadata: its read/write blocks refilled in place (same tensors) and returned;
+    - other ``MambaMetadata`` (built for this very pass): returned as is;
+    - plain metadata: a new ``MambaMetadata``, ``static`` if asked (a graph's metadata, kept by
+      its owner and passed back on every pass).
+
+    NOTE: nothing is refilled while a CUDA graph is being recorded: planning reads device tensors
+    on the host, which capture forbids. The graph's owner refills before recording and before
+    each replay.
+    """
+    if not isinstance(meta, MambaMetadata):
+        return build_mamba_metadata(meta, plans_of(meta), static=static)
+    if meta.static and not stream_capturing():
+        if meta.read_blocks is None or meta.write_blocks is None:
+            raise ValueError("static MambaMetadata without read/write block tensors cannot be refilled")
+        read, write = state_blocks(meta, plans_of(meta))
+        meta.read_blocks.copy_(read)
+        meta.write_blocks.copy_(write)
+    return meta
 
 
 def state_views(state: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -305,14 +360,18 @@ class MambaStates:
                 )
         return plans
 
-    def metadata(self, metas: dict[str, AttentionMetadata]) -> dict[str, AttentionMetadata]:
-        """``metas`` with every tracked Mamba group's entry turned into :class:`MambaMetadata`."""
+    def metadata(
+        self, metas: dict[str, AttentionMetadata], *, static: bool = False
+    ) -> dict[str, AttentionMetadata]:
+        """``metas`` with every tracked Mamba group's entry as :class:`MambaMetadata` for the step
+        loaded now (:func:`mamba_metadata`: static entries are refilled in place). ``static``:
+        ``metas`` belong to a graph; keep the returned dict and pass it back on every pass."""
         if not self.specs:
             return metas
         out = dict(metas)
         for group in self.specs:
-            if group in metas and not isinstance(metas[group], MambaMetadata):
-                out[group] = build_mamba_metadata(metas[group], self.plans(group, metas[group]))
+            if group in metas:
+                out[group] = mamba_metadata(metas[group], partial(self.plans, group), static=static)
         return out
 
     def write_slots(self, group: str, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,6 +389,14 @@ def draft_state_metadata(
     call serves eager passes and graph replays. Padded rows (null first block) read the zero state
     and write nothing; rows of no running request are probes (:func:`probe_plan`).
     """
+    plans = draft_row_plans(spec, meta, tables, num_known_tokens)
+    return build_mamba_metadata(meta, plans), plans
+
+
+def draft_row_plans(
+    spec: MambaSpec, meta: AttentionMetadata, tables: np.ndarray, num_known_tokens: np.ndarray
+) -> list[StatePlan]:
+    """The plans of :func:`draft_state_metadata`, one per row of ``meta`` (padded rows included)."""
     row_of = {int(b): r for r, b in enumerate(tables[:, 0].tolist()) if b}
     plans = []
     for c, s, first in _rows(meta):
@@ -340,4 +407,4 @@ def draft_state_metadata(
             plans.append(probe_plan(spec, c, s))
         else:
             plans.extend(draft_state_plans(spec, [c], [s], [int(num_known_tokens[row])]))
-    return build_mamba_metadata(meta, plans), plans
+    return plans
