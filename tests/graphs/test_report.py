@@ -22,7 +22,7 @@ from warmcap.graphs.report import (
 
 def _report(backend: str = "static") -> CaptureReport:
     graphs = [
-        GraphRecord("decode", "FULL", 8, 4, 2, 0.20, 4 << 20, True, 0.0, 1e-7, True),
+        GraphRecord("decode", "FULL", 8, 4, 2, 0.20, 4 << 20, True, 0.0, 1e-7, True, cuda_safe=True),
         GraphRecord("decode", "FULL", 4, 2, 2, 0.10, 2 << 20, True, 0.0, 0.0, True),
         GraphRecord("mixed", "PIECEWISE", 16, None, None, 0.30, 8 << 20, True, 0.0, 2e-7, True),
         GraphRecord("draft_decode", "FULL", 4, 4, 1, 0.05, 1 << 20, True, 0.0, 0.0, True),
@@ -53,7 +53,9 @@ def test_json_validates_against_schema_and_round_trips() -> None:
         "seconds": pytest.approx(0.65),
         "bytes": 15 << 20,
         "all_verified": True,
+        "cuda_unsafe": 0,
     }
+    assert data["graphs"][0]["cuda_safe"] is True and data["graphs"][1]["cuda_safe"] is None
     assert data["spec_decode"]["acceptance_length"] == pytest.approx(1.75)
     assert data["timings"]["smoke"] is None
     assert CaptureReport.from_json(report.to_json()) == report
@@ -103,6 +105,10 @@ def _with_graph(report: CaptureReport, index: int, **changes) -> CaptureReport:
         ),
         (lambda r: replace(r, warmup_audit=replace(r.warmup_audit, violations=2)), "violations"),
         (lambda r: _with_graph(r, 1, verified=False), "stopped verifying"),
+        (
+            lambda r: _with_graph(r, 0, cuda_safe=False, cuda_unsafe_reason="aten.nonzero at x.py:1"),
+            "would no longer record under CUDA: aten.nonzero",
+        ),
         (lambda r: replace(r, graphs=r.graphs[1:]), "disappeared"),
     ],
 )
@@ -141,6 +147,21 @@ def test_render_static_says_no_graph_was_recorded() -> None:
     assert "acceptance length 1.75" in text and "no stray KV write" in text
     cuda_text = _text(render, _report("cuda"))
     assert "No CUDA graph was recorded" not in cuda_text and "torch.cuda.CUDAGraph" in cuda_text
+
+
+def test_render_names_graphs_that_would_not_record_under_cuda_and_why() -> None:
+    report = _with_graph(
+        _report("static"), 0, cuda_safe=False, cuda_unsafe_reason="aten.nonzero at moe.py:71"
+    )
+    report = replace(report, batch_invariant=True)
+    text = _text(render, report)
+    assert "batch-invariant" in text
+    assert "1 graph(s) checked" in text and "1 would not record" in text
+    assert "decode FULL t=8 r=4 q=2: aten.nonzero at moe.py:71" in text
+    assert report.totals.cuda_unsafe == 1
+    assert CaptureReport.from_json(report.to_json()) == report
+    safe = _text(render, _report("static"))
+    assert "all would record" in safe and "batch-invariant" not in safe
 
 
 def test_render_diff_lists_regressions_first() -> None:

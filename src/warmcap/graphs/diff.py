@@ -71,7 +71,7 @@ def diff_reports(
     Regressions: capture time up by more than ``time_tolerance`` (total and per graph; changes under
     5 ms are ignored), memory up by more than ``memory_tolerance`` (total and per graph), acceptance
     length down by more than ``acceptance_tolerance`` (absolute), more audit violations, a graph that
-    stopped verifying, a graph that disappeared. The mirror images count as improvements.
+    stopped verifying or stopped being CUDA-safe, a graph that disappeared. The mirror images count as improvements.
     """
     d = _Differ(time_tolerance, memory_tolerance)
     ot, nt = old.totals, new.totals
@@ -114,6 +114,17 @@ def _compare_graph(d: _Differ, og: GraphRecord, ng: GraphRecord) -> None:
             d.add(f"{og.label} verified", "no", "yes", "improvement", f"graph {og.label} now verifies")
         else:
             d.add(f"{og.label} verified", "yes", "no", "regression", f"graph {og.label} stopped verifying")
+    if og.cuda_safe is not None and ng.cuda_safe is not None and og.cuda_safe != ng.cuda_safe:
+        if ng.cuda_safe:
+            d.add(f"{og.label} cuda-safe", "no", "yes", "improvement", f"graph {og.label} is now CUDA-safe")
+        else:
+            d.add(
+                f"{og.label} cuda-safe",
+                "yes",
+                "no",
+                "regression",
+                f"graph {og.label} would no longer record under CUDA: {ng.cuda_unsafe_reason}",
+            )
 
 
 def _relative(old: float, new: float, tolerance: float, *, floor: float) -> str:

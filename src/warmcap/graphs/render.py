@@ -35,6 +35,7 @@ def render(report: CaptureReport, console: Console) -> None:
         report.backend,
         ("   speculation ", "bold"),
         spec,
+        ("   batch-invariant" if report.batch_invariant else "", "bold"),
         "\n",
         BACKEND_EXPLAINED[report.backend],
         "\n",
@@ -47,6 +48,7 @@ def render(report: CaptureReport, console: Console) -> None:
     t = report.totals
     ok = "[green]all verified[/]" if t.all_verified else "[red]NOT all verified[/]"
     console.print(f"[bold]totals[/]  {t.count} graphs, {t.seconds:.3f} s, {_mib(t.bytes)}, {ok}")
+    _print_cuda_safety(report.graphs, console)
 
     a = report.warmup_audit
     verdict = "[green]no stray KV write[/]" if a.violations == 0 else f"[red]{a.violations} violations[/]"
@@ -73,6 +75,22 @@ def render(report: CaptureReport, console: Console) -> None:
         console.print("[bold]timings[/]  " + ", ".join(timings))
     for note in report.notes:
         console.print(f"[yellow]note:[/] {note}")
+
+
+def _print_cuda_safety(graphs: list[GraphRecord], console: Console) -> None:
+    """One line on whether the checked graphs would record under CUDA, and why not where not."""
+    checked = [g for g in graphs if g.cuda_safe is not None]
+    if not checked:
+        return
+    unsafe = [g for g in checked if not g.cuda_safe]
+    verdict = "[green]all would record[/]" if not unsafe else f"[red]{len(unsafe)} would not record[/]"
+    console.print(
+        f"[bold]CUDA-safe[/]  {len(checked)} graph(s) checked on CPU with fake tensors "
+        f"(the largest of each phase): {verdict}"
+    )
+
+    for g in unsafe:
+        console.print(f"  [red]- {g.label}: {g.cuda_unsafe_reason}[/]", highlight=False)
 
 
 def _graph_table(graphs: list[GraphRecord], backend: str) -> Table:

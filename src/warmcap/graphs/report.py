@@ -40,6 +40,10 @@ class GraphRecord:
     max_abs_diff: float | None = None
     real_rows_max_abs_diff: float | None = None
     greedy_match: bool | None = None
+    #: would this graph record under CUDA (``graphs.graph_safety``, checked on CPU for the static
+    #: and compile backends)? None: not checked (a ``cuda`` capture proves it by recording)
+    cuda_safe: bool | None = None
+    cuda_unsafe_reason: str = ""
 
     @property
     def key(self) -> tuple[str, str, int, int | None, int | None]:
@@ -73,6 +77,8 @@ class Totals:
     seconds: float
     bytes: int
     all_verified: bool
+    #: graphs the CPU check found would not record under CUDA
+    cuda_unsafe: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,8 @@ class CaptureReport:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     timings: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: the model ran with fixed-shape GEMM tiles (``ModelConfig.batch_invariant``)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -137,6 +145,7 @@ class CaptureReport:
             seconds=sum(g.capture_seconds for g in self.graphs),
             bytes=sum(g.memory_bytes for g in self.graphs),
             all_verified=all(g.verified for g in self.graphs),
+            cuda_unsafe=sum(g.cuda_safe is False for g in self.graphs),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,6 +157,7 @@ class CaptureReport:
             "model": self.model,
             "device": self.device,
             "backend": self.backend,
+            "batch_invariant": self.batch_invariant,
             "spec": asdict(self.spec),
             "capture_sizes": list(self.capture_sizes),
             "graphs": [_graph_dict(g) for g in self.graphs],
@@ -184,6 +194,7 @@ class CaptureReport:
                 spec_decode=SpecDecodeStats(**spec_decode),
                 timings={k: v for k, v in data["timings"].items() if v is not None},
                 notes=list(data["notes"]),
+                batch_invariant=bool(data.get("batch_invariant", False)),
             )
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"capture report is malformed ({exc}): regenerate it") from None

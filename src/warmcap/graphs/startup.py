@@ -13,6 +13,7 @@ from warmcap.graphs.capture import CaptureResult, GraphCapturer
 from warmcap.graphs.graph_runner import GraphRunner
 from warmcap.graphs.report import CaptureReport, GraphRecord, SpecDecodeStats, SpecInfo, WarmupAudit
 from warmcap.graphs.verify import GraphCheck, verify_graphs
+from warmcap.models.batch_invariant import is_batch_invariant
 
 if TYPE_CHECKING:
     from warmcap.core.kv_cache_manager import KVCacheManager
@@ -58,6 +59,8 @@ class GraphStartup:
                     max_abs_diff=check.max_abs_diff if check else None,
                     real_rows_max_abs_diff=check.real_rows_max_abs_diff if check else None,
                     greedy_match=check.greedy_match if check else None,
+                    cuda_safe=g.safety.safe if g.safety else None,
+                    cuda_unsafe_reason=g.safety.reason if g.safety and not g.safety.safe else "",
                 )
             )
         return out
@@ -87,6 +90,7 @@ class GraphStartup:
             spec_decode=spec_decode or SpecDecodeStats(),
             timings=all_timings,
             notes=list(self.notes),
+            batch_invariant=is_batch_invariant(self.capturer.runner.model),
         )
 
 
