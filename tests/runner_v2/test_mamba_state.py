@@ -8,13 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmcap.core.kv_spec import MambaSpec
-from warmcap.core.reservation import reserved_blocks
+from warmcap.core.reservation import block_of, reserved_blocks
 from warmcap.runner_v2.attention.base import AttentionMetadata
 from warmcap.runner_v2.mamba_state import (
+    StatePlan,
     accepted_column,
+    anchor_column,
     build_mamba_metadata,
+    draft_state_plans,
     plan_state,
     prefix_column,
+    probe_plan,
     state_views,
 )
 
@@ -126,3 +130,104 @@ def test_metadata_maps_columns_to_block_ids_and_views_split_the_state() -> None:
     assert conv.shape == (4, 3, 2) and ssm.shape == (4, 2, 2, 2)
     ssm[1].fill_(-1)
     assert torch.all(state[1, 6:] == -1) and torch.all(state[1, :6] >= 0)
+
+
+# ---- draft LM passes (draft_state_plans) and verification probes (probe_plan) -----------------
+
+
+def _boundaries(sp: MambaSpec, first: int, count: int) -> dict[int, int]:
+    """``all`` mode's extra writes for tokens ``0 .. count - 1`` of a span starting at ``first``."""
+    if sp.cache_mode != "all":
+        return {}
+    return {i: block_of(sp, first + i) for i in range(count) if (first + i + 1) % sp.block_size == 0}
+
+
+@pytest.mark.parametrize(
+    ("mode", "before", "at", "steps"),
+    [
+        # bs 4, k 3; 9 known tokens: positions 0..7 computed, 8 just sampled. Spans: 0..4 (before
+        # the known tokens), 5..8 (ends at the sampled token), then draft steps at 9 and 10.
+        ("none", ((4, 0),), ((2, 0), (3, 1)), [(1, ((0, 2),)), (2, ())]),
+        # anchor = block of position 7 = 1; a span ending at position 4 leaves its state in block 1.
+        ("align", ((4, 1),), ((2, 1), (3, 2)), [(2, ((0, 3),)), (3, ())]),
+        # As align, plus the boundary after position 3 (block 0) crossed by the first span.
+        ("all", ((3, 0), (4, 1)), ((2, 1), (3, 2)), [(2, ((0, 3),)), (3, ())]),
+    ],
+)
+def test_draft_lm_plans_worked_example(mode: str, before: tuple, at: tuple, steps: list) -> None:
+    sp = spec(mode, k=3)
+    first = draft_state_plans(sp, [0], [5], [9])[0]
+    assert first.read_column is None and first.writes == before
+    read_from = 0 if mode == "none" else 1  # the first span's last state, after position 4
+    assert draft_state_plans(sp, [5], [4], [9]) == [StatePlan(read_from, at)]
+    for position, (read, writes) in zip((9, 10), steps, strict=True):
+        assert draft_state_plans(sp, [position], [1], [9]) == [StatePlan(read, writes)]
+
+
+def test_all_mode_draft_prefill_does_not_store_the_sampled_tokens_state_at_its_boundary() -> None:
+    """Position 7 (just sampled) ends block 1, but it is re-fed next step: block 1 gets the state
+    after position 6 (the anchor), and the state after 7 goes to anchor + 1, as a draft's would."""
+    plan = draft_state_plans(spec("all", k=2), [0], [8], [8])[0]
+    assert plan.writes == ((3, 0), (6, 1), (7, 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    mode=st.sampled_from(["none", "all", "align"]),
+    k=st.integers(1, 4),
+    bs=st.integers(1, 8),
+    c=st.integers(0, 40),
+    s=st.integers(2, 20),
+    gap=st.integers(0, 5),
+)
+def test_draft_lm_plans_follow_the_documented_columns(
+    mode: str, k: int, bs: int, c: int, s: int, gap: int
+) -> None:
+    """A span ending ``gap`` tokens before the known tokens (0: at the sampled token), then the
+    draft steps past them: reads and writes as the docstring states, and each draft step reads the
+    column the pass before it wrote its last state to."""
+    sp = spec(mode, k=k, bs=bs)
+    known = c + s + gap
+    (plan,) = draft_state_plans(sp, [c], [s], [known])
+    assert plan.read_column == (anchor_column(sp, c) if c else None)
+    if gap:
+        expected = _boundaries(sp, c, s) | {s - 1: anchor_column(sp, c + s)}
+    else:
+        sampled = known - 1
+        anchor = anchor_column(sp, sampled)
+        expected = _boundaries(sp, c, s - 1) | {s - 2: anchor, s - 1: anchor + 1}
+    assert plan.writes == tuple(sorted(expected.items()))
+    if gap:
+        return
+    last = plan.writes[-1][1]
+    for i in range(1, k):
+        (step,) = draft_state_plans(sp, [sampled + i], [1], [known])
+        assert step.read_column == anchor + i == last
+        if i < k - 1:
+            assert step.writes == ((0, anchor + i + 1),)
+            last = anchor + i + 1
+        else:
+            assert step.writes == ()
+
+
+@pytest.mark.parametrize(
+    ("mode", "with_context", "from_zero"),
+    [
+        # bs 4: a probe after 9 tokens reads the state after position 8; one of 6 tokens from zero
+        # writes the state after position 5.
+        ("none", StatePlan(0, ()), StatePlan(None, ((5, 0),))),
+        ("align", StatePlan(2, ()), StatePlan(None, ((5, 1),))),
+        # Unlike a request's step, a probe stores no block-boundary states, only its last state.
+        ("all", StatePlan(2, ()), StatePlan(None, ((5, 1),))),
+    ],
+)
+def test_probe_reads_its_context_and_writes_only_from_zero(
+    mode: str, with_context: StatePlan, from_zero: StatePlan
+) -> None:
+    sp = spec(mode, k=2)
+    assert probe_plan(sp, 9, 3) == with_context
+    assert probe_plan(sp, 0, 6) == from_zero
+    for c in (1, 4, 5, 17):
+        for s in (1, 3, 8):
+            assert probe_plan(sp, c, s) == StatePlan(anchor_column(sp, c), ())
+            assert probe_plan(sp, 0, s) == StatePlan(None, ((s - 1, anchor_column(sp, s)),))
