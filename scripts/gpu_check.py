@@ -1,7 +1,9 @@
 """GPU validation of warmcap's graph path: run on a CUDA machine, record the results with a date.
 
-For tiny-llama (plain, ngram, draft_model, eagle3, dflash) and smollm2-135m (plain, draft_model),
-on the torch attention backend and on FlashInfer when importable:
+For tiny-llama (plain, ngram, draft_model, eagle3, dflash), smollm2-135m (plain, draft_model; and
+draft_model with batch-invariant GEMMs), tiny-deepseek-v3 (plain, mtp), tiny-deepseek-v32 and
+tiny-hybrid (ngram, draft_model@self), on the torch attention backend and on FlashInfer when
+importable:
 - build the engine, capture every target graph and every drafter graph (draft_prefill,
   draft_decode) with the ``cuda`` backend, verify each (I4);
 - time graph replay vs the eager forward on the same static inputs (ratio) for target decode,
@@ -37,15 +39,18 @@ ENGINES: list[tuple[str, str, str | None]] = [
     ("tiny-llama", "float32", "dflash:2"),
     ("smollm2-135m", "bfloat16", None),
     ("smollm2-135m", "bfloat16", "draft_model:2"),
-    # MLA + MoE, sparse MLA, Mamba hybrid: their torch reference paths sync with the host
-    # (MoE routing, Mamba chunking), so CUDA capture is expected to fail until they are made
-    # static-shape; the check reports that per engine instead of stopping.
+    # MLA + MoE, sparse MLA, Mamba hybrid: graph-safe on CPU's fake-tensor check (static expert
+    # loop, per-batch MLA path, batched uniform Mamba path); the cuda plan leaves the hybrid's
+    # ragged passes (mixed, Mamba draft prefill) eager. Any failure is reported per engine.
     ("tiny-deepseek-v3", "float32", None),
     ("tiny-deepseek-v3", "float32", "mtp:2"),
     ("tiny-deepseek-v32", "float32", None),
     ("tiny-hybrid", "float32", "ngram:2"),
     ("tiny-hybrid", "float32", "draft_model:2@self"),
 ]
+#: engines run with fixed-shape GEMM tiles (ModelConfig.batch_invariant): real rows of every graph
+#: should then match the unpadded eager batch far tighter than the default GPU tolerance
+BATCH_INVARIANT_ENGINES: list[tuple[str, str, str | None]] = [("smollm2-135m", "float32", "draft_model:2")]
 #: Mamba state caching mode for the hybrid preset (none, all or align).
 MAMBA_MODE = os.environ.get("WARMCAP_MAMBA_MODE", "none")
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "def add(a, b):", "Once upon a time"]
@@ -88,7 +93,9 @@ def _replay_vs_eager(capturer: Any, graphs: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def check_engine(model: str, dtype: str, spec: str | None, attn: str) -> dict[str, Any]:
+def check_engine(
+    model: str, dtype: str, spec: str | None, attn: str, *, batch_invariant: bool = False
+) -> dict[str, Any]:
     from rich.console import Console
 
     from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -100,7 +107,7 @@ def check_engine(model: str, dtype: str, spec: str | None, attn: str) -> dict[st
     from warmcap.sampling_params import SamplingParams
 
     config = EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, device="cuda"),
+        model=ModelConfig(model=model, dtype=dtype, device="cuda", batch_invariant=batch_invariant),
         cache=CacheConfig(block_size=16, num_blocks=1024, mamba_cache_mode=MAMBA_MODE),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512),
         speculative=SpeculativeConfig.parse(spec),
@@ -144,7 +151,12 @@ def check_engine(model: str, dtype: str, spec: str | None, attn: str) -> dict[st
         "dtype": dtype,
         "spec": spec,
         "attention": attn,
+        "batch_invariant": batch_invariant,
         "ok": ok,
+        "real_rows_max_abs_diff": max(
+            (g.real_rows_max_abs_diff for g in report.graphs if g.real_rows_max_abs_diff is not None),
+            default=None,
+        ),
         "generation_identical": before == after,
         "graph_replays_during_generation": replays,
         "draft_graph_replays_during_generation": draft_replays,
@@ -200,12 +212,13 @@ def main() -> int:
         "flashinfer": "flashinfer" in attns,
         "engines": [],
     }
-    for model, dtype, spec in ENGINES:
+    runs = [(*e, False) for e in ENGINES] + [(*e, True) for e in BATCH_INVARIANT_ENGINES]
+    for model, dtype, spec, invariant in runs:
         for attn in attns:
-            name = f"{model} {dtype} spec={spec} attention={attn}"
+            name = f"{model} {dtype} spec={spec} attention={attn} batch_invariant={invariant}"
             print(f"\n=== {name}", flush=True)
             try:
-                results["engines"].append(check_engine(model, dtype, spec, attn))
+                results["engines"].append(check_engine(model, dtype, spec, attn, batch_invariant=invariant))
             except Exception as exc:
                 traceback.print_exc()
                 results["engines"].append(
@@ -229,7 +242,8 @@ def main() -> int:
                 f"  graphs={graphs['count']} verified={graphs['all_verified']} capture={graphs['seconds']:.2f}s "
                 f"memory={graphs['bytes'] / 2**20:.1f}MiB generation_identical={e['generation_identical']} "
                 f"replays={e['graph_replays_during_generation']} "
-                f"draft_replays={e['draft_graph_replays_during_generation']}"
+                f"draft_replays={e['draft_graph_replays_during_generation']} "
+                f"real_rows_max_diff={e['real_rows_max_abs_diff']} batch_invariant={e['batch_invariant']}"
             )
             for t in e["replay_vs_eager"]:
                 line += (
