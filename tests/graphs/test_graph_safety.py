@@ -215,6 +215,7 @@ def test_static_capture_reports_cuda_safety_of_the_largest_graph_of_each_phase(
         assert r is next(x for x in records if x.phase == r.phase)
         assert r.cuda_safe is (r.phase not in unsafe_phases), r
         assert ("mamba2.py" in r.cuda_unsafe_reason) is (r.phase in unsafe_phases)
+        assert ("cuda plan runs this phase eagerly" in r.cuda_unsafe_reason) is (r.phase in unsafe_phases)
     report = startup.report(model=model, device="cpu")
     assert report.totals.cuda_unsafe == len(unsafe_phases)
     startup.graph_runner.runner.graph_runner = None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,6 +99,7 @@ class GraphCapturer:
             )
         self.runner = runner
         self.backend = backend
+        self._capture_sizes = capture_sizes
         # A CPU backend cannot show that the forward would record under CUDA: check it on fakes.
         self.check_cuda_safety = check_cuda_safety and backend != "cuda"
         self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes, backend=backend)
@@ -172,10 +173,22 @@ class GraphCapturer:
                 if self.check_cuda_safety and spec.phase not in checked:
                     # The code path depends on the phase, not the size: the largest graph stands for it.
                     checked.add(spec.phase)
-                    graph.safety = check_graph_safe(self, graph)
+                    graph.safety = self._cuda_safety(graph)
                 result.graphs.append(graph)
                 result.order.append(("capture", spec.label))
         return result
+
+    def _cuda_safety(self, graph: CapturedGraph) -> GraphSafety:
+        """The fake-tensor check of ``graph``; an unsafe graph the ``cuda`` plan would not capture
+        anyway says so (that plan runs its phase eagerly)."""
+        safety = check_graph_safe(self, graph)
+        if safety.safe:
+            return safety
+        cuda_target = plan_target_graphs(self.runner, capture_sizes=self._capture_sizes, backend="cuda")
+        cuda_specs = [*cuda_target.specs, *plan_draft_graphs(self.runner, cuda_target, backend="cuda").specs]
+        if graph.spec.label in {s.label for s in cuda_specs}:
+            return safety
+        return replace(safety, reason=f"{safety.reason}; the cuda plan runs this phase eagerly")
 
     def _capture_one(self, spec: GraphSpec) -> CapturedGraph:
         runner = self.runner
