@@ -48,6 +48,11 @@ def render(report: CaptureReport, console: Console) -> None:
     t = report.totals
     ok = "[green]all verified[/]" if t.all_verified else "[red]NOT all verified[/]"
     console.print(f"[bold]totals[/]  {t.count} graphs, {t.seconds:.3f} s, {_mib(t.bytes)}, {ok}")
+    if not report.batch_invariant and any(g.real_rows_max_abs_diff for g in report.graphs):
+        console.print(
+            "[dim]real rows: small nonzero differences are float rounding (the unpadded batch runs "
+            "its GEMMs with fewer rows); --batch-invariant makes them match[/]"
+        )
     _print_cuda_safety(report.graphs, console)
 
     a = report.warmup_audit
