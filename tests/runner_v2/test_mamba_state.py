@@ -213,21 +213,40 @@ def test_draft_lm_plans_follow_the_documented_columns(
 @pytest.mark.parametrize(
     ("mode", "with_context", "from_zero"),
     [
-        # bs 4: a probe after 9 tokens reads the state after position 8; one of 6 tokens from zero
-        # writes the state after position 5.
-        ("none", StatePlan(0, ()), StatePlan(None, ((5, 0),))),
-        ("align", StatePlan(2, ()), StatePlan(None, ((5, 1),))),
-        # Unlike a request's step, a probe stores no block-boundary states, only its last state.
-        ("all", StatePlan(2, ()), StatePlan(None, ((5, 1),))),
+        # bs 4: a probe after 9 tokens reads the state after position 8 and, running positions
+        # 9..11, writes the state after 11; one of 6 tokens from zero writes the state after 5.
+        # Mode none keeps one committed state: the probe writes the very column it reads.
+        ("none", StatePlan(0, ((2, 0),)), StatePlan(None, ((5, 0),))),
+        ("align", StatePlan(2, ((2, 2),)), StatePlan(None, ((5, 1),))),
+        # As align, plus the state at each block boundary crossed (after positions 11 and 3).
+        ("all", StatePlan(2, ((2, 2),)), StatePlan(None, ((3, 0), (5, 1)))),
     ],
 )
-def test_probe_reads_its_context_and_writes_only_from_zero(
+def test_probe_reads_its_anchor_and_writes_like_a_committed_step(
     mode: str, with_context: StatePlan, from_zero: StatePlan
 ) -> None:
     sp = spec(mode, k=2)
     assert probe_plan(sp, 9, 3) == with_context
     assert probe_plan(sp, 0, 6) == from_zero
-    for c in (1, 4, 5, 17):
-        for s in (1, 3, 8):
-            assert probe_plan(sp, c, s) == StatePlan(anchor_column(sp, c), ())
-            assert probe_plan(sp, 0, s) == StatePlan(None, ((s - 1, anchor_column(sp, s)),))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    mode=st.sampled_from(["none", "all", "align"]),
+    bs=st.integers(1, 8),
+    c=st.integers(1, 40),
+    s=st.integers(1, 20),
+)
+def test_a_probe_continuing_a_probe_reads_the_state_the_first_one_left(
+    mode: str, bs: int, c: int, s: int
+) -> None:
+    """Verification writes a row's context with a probe from zero, then runs a probe after it: the
+    second reads the column the first stored its last state in, and stores its own last state
+    where a third probe would read it."""
+    sp = spec(mode, k=2, bs=bs)
+    context = probe_plan(sp, 0, c)
+    step = probe_plan(sp, c, s)
+    assert context.read_column is None
+    assert step.read_column == context.writes[-1][1]
+    assert context.writes[-1][0] == c - 1 and step.writes[-1][0] == s - 1
+    assert probe_plan(sp, c + s, 1).read_column == step.writes[-1][1]

@@ -1,22 +1,34 @@
 """Invariant I4: every captured graph, replayed on a real padded batch, equals eager.
 
-For each graph a real batch with fewer requests / tokens than the graph holds (so there is padding)
-is built on blocks taken from the KV cache manager: its context is written by an eager prefill, then
+For each graph, target or drafter, a real batch with fewer requests / tokens than the graph holds
+(so there is padding) is laid out on blocks taken from the KV cache manager; its rows' contexts are
+written by eager prefills (drafter graphs: :mod:`warmcap.graphs.verify_draft`), then
 
 1. the unpadded batch runs eagerly (the reference for real rows),
 2. the batch is padded into the graph's buffers and replayed,
 3. the same padded inputs run eagerly over the graph's metadata;
 
-replay vs 3 must agree everywhere (bit-equal on CPU), replay vs 1 on real rows within a tight
-tolerance and with the same greedy token. Target graphs compare their auxiliary hidden states too.
-Drafter graphs are checked the same way in :mod:`warmcap.graphs.verify_draft`. Afterwards the
-blocks are freed (tail first, which restores the free queue) and zeroed, so verification leaves no
-trace in the pool or the KV tensors.
+replay vs 3 must agree everywhere (bit-equal on CPU); replay vs 1 within the real-row tolerance on
+the real rows' outputs (target graphs: auxiliary hidden states too) *and* on what the real rows
+wrote into the cache, with the same greedy tokens.
+
+What the real rows wrote depends on the group's spec: attention and latent (MLA, indexer) groups
+hold one entry per token, compared at the real tokens' slots; Mamba groups hold one whole state per
+block, compared at the blocks the reference's ``write_blocks`` name for real tokens (never the PAD
+sink). Before 2 and 3 those locations are put back as they were before 1, so a replay that writes
+nothing there, or writes elsewhere, cannot pass on what the reference left behind, and every run
+reads the same state (a Mamba row may write the very block it reads).
+
+Verification rows belong to no running request: their Mamba plans are probes
+(:func:`~warmcap.runner_v2.mamba_state.probe_plan`). With Mamba state, odd rows start from zero, so
+a graph's checks cover a row that reads a context's state and writes one computed from it, and a
+row that starts from the zero state. Afterwards the blocks are freed (tail first, which restores
+the free queue) and zeroed, so verification leaves no trace in the pool or the KV tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,14 +36,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from warmcap.core.kv_spec import MambaSpec
 from warmcap.core.request import Request
 from warmcap.models.batch_invariant import is_batch_invariant
 from warmcap.runner_v2.input_batch import StepInputs
+from warmcap.runner_v2.kv_cache import KV_LAYOUTS
+from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:
     from warmcap.core.kv_cache_manager import KVCacheManager
+    from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.graphs.capture import CapturedGraph, GraphCapturer
     from warmcap.graphs.planning import GraphSpec
+    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 VERIFY_REQ_PREFIX = "graph-verify-"
@@ -91,6 +108,11 @@ class GraphCheck:
     verified: bool
     reason: str = ""
 
+    @classmethod
+    def unverified(cls, label: str, reason: str) -> GraphCheck:
+        """A graph that could not be checked, and why."""
+        return cls(label, 0, 0, float("nan"), float("nan"), False, False, reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Layout:
@@ -99,9 +121,10 @@ class Layout:
     decode: bool
 
 
-def layout_for(spec: GraphSpec, max_model_len: int) -> Layout | None:
+def layout_for(spec: GraphSpec, max_model_len: int, *, from_zero: bool = False) -> Layout | None:
     """Real rows for ``spec``: one request fewer than a uniform graph holds; one token fewer than a
-    mixed graph holds, spread over up to its request cap with a prompt chunk first."""
+    mixed graph holds, spread over up to its request cap with a prompt chunk first. ``from_zero``:
+    odd rows have no context."""
     d = spec.descriptor
     if d.uniform_query_len is not None:
         q = d.uniform_query_len
@@ -115,7 +138,9 @@ def layout_for(spec: GraphSpec, max_model_len: int) -> Layout | None:
     if max(lens) >= max_model_len:
         return None
     # Contexts of varied length so rows cross block boundaries at different columns.
-    contexts = [min(2 + (5 * i) % 13, max_model_len - n) for i, n in enumerate(lens)]
+    contexts = [
+        0 if from_zero and i % 2 else min(2 + (5 * i) % 13, max_model_len - n) for i, n in enumerate(lens)
+    ]
     return Layout(lens, contexts, decode)
 
 
@@ -173,8 +198,6 @@ def verify_graphs(
 ) -> list[GraphCheck]:
     """Verify every graph, target and drafter (see the module docstring); one :class:`GraphCheck`
     per graph."""
-    from warmcap.graphs.verify_draft import verify_draft_graph
-
     runner = capturer.runner
     tol = tolerance or default_tolerance(
         runner.device, runner.dtype, capturer.backend, batch_invariant=is_batch_invariant(runner.model)
@@ -182,12 +205,7 @@ def verify_graphs(
     rng = np.random.default_rng(seed)
     vocab = vocab_size(runner.model)
     with torch.inference_mode():
-        return [
-            verify_draft_graph(capturer, g, kv_cache_manager, tol, rng, vocab)
-            if g.spec.is_draft
-            else _verify_one(capturer, g, kv_cache_manager, tol, rng, vocab)
-            for g in graphs
-        ]
+        return [_verify_one(capturer, g, kv_cache_manager, tol, rng, vocab) for g in graphs]
 
 
 class PoolTooSmallError(Exception):
@@ -227,6 +245,21 @@ def scratch_tables(
         runner.kv_caches.zero_blocks(used)
 
 
+@dataclass(frozen=True, slots=True)
+class Passes:
+    """The three passes of one graph's check over a real batch, contexts written and the unpadded
+    pass loaded: ``metas`` is its metadata (Mamba columns included), each pass returns its outputs
+    (main output first; ``reference``: real rows only), ``greedy`` the tokens a main output picks
+    (None: the pass picks none)."""
+
+    num_reqs: int
+    metas: dict[str, AttentionMetadata]
+    reference: Callable[[], list[torch.Tensor]]
+    replay: Callable[[], list[torch.Tensor]]
+    padded_eager: Callable[[], list[torch.Tensor]]
+    greedy: Callable[[torch.Tensor], torch.Tensor | None]
+
+
 def _verify_one(
     capturer: GraphCapturer,
     graph: CapturedGraph,
@@ -235,40 +268,45 @@ def _verify_one(
     rng: np.random.Generator,
     vocab: int,
 ) -> GraphCheck:
+    from warmcap.graphs.verify_draft import draft_passes  # which imports this module
+
     runner = capturer.runner
     spec = graph.spec
-    layout = layout_for(spec, runner.max_model_len)
+    groups = (
+        runner.drafter.graph_groups() if spec.is_draft else [g for g in runner.kv_groups if not g.is_drafter]
+    )
+    stateful = any(isinstance(g.spec, MambaSpec) for g in groups)
+    layout = layout_for(spec, runner.max_model_len, from_zero=stateful)
     if layout is None:
-        return GraphCheck(
-            spec.label, 0, 0, float("nan"), float("nan"), False, False, "graph exceeds max_model_len"
-        )
-    lens, contexts = layout.query_lens, layout.contexts
+        return GraphCheck.unverified(spec.label, "graph exceeds max_model_len")
+    sizes = [c + n for c, n in zip(layout.contexts, layout.query_lens, strict=True)]
     try:
-        with scratch_tables(
-            runner, manager, spec.label, [c + n for c, n in zip(contexts, lens, strict=True)]
-        ) as (
-            tables,
-            num_blocks,
-        ):
-            tokens = [rng.integers(0, vocab, size=c + n) for c, n in zip(contexts, lens, strict=True)]
-            return _compare(capturer, graph, tokens, layout, tables, num_blocks, tol)
+        with scratch_tables(runner, manager, spec.label, sizes) as (tables, num_blocks):
+            setup = draft_passes if spec.is_draft else _target_passes
+            passes = setup(capturer, graph, layout, tables, num_blocks, rng, vocab)
+            t, caches = sum(layout.query_lens), runner.kv_caches.tensors
+            written = [
+                _layer_written(g, passes.metas[g.name], caches[x], t) for g in groups for x in g.layer_names
+            ]
+            return _check(spec.label, passes, written, tol)
     except PoolTooSmallError:
-        return GraphCheck(spec.label, 0, 0, float("nan"), float("nan"), False, False, "KV pool too small")
+        return GraphCheck.unverified(spec.label, "KV pool too small")
 
 
-def _compare(
+def _target_passes(
     capturer: GraphCapturer,
     graph: CapturedGraph,
-    tokens: list[np.ndarray],
     layout: Layout,
     tables: dict[str, torch.Tensor],
     num_blocks: int,
-    tol: Tolerance,
-) -> GraphCheck:
+    rng: np.random.Generator,
+    vocab: int,
+) -> Passes:
     runner = capturer.runner
     buffers = runner.buffers
     spec = graph.spec
     lens, contexts = layout.query_lens, layout.contexts
+    tokens = [rng.integers(0, vocab, size=c + n) for c, n in zip(contexts, lens, strict=True)]
     for rows in context_chunks(contexts, buffers.max_num_tokens):
         # Contexts of these rows, written by one eager prefill (a real model costs a forward each).
         sub = {g: t[rows] for g, t in tables.items()}
@@ -284,30 +322,87 @@ def _compare(
         runner.forward_batch(prefill.num_tokens, buffers.attn_metadata(num_columns=num_blocks))
 
     step = _step(tokens, contexts, lens, tables, num_blocks, decode=layout.decode)
-    t = step.num_tokens
-    last = torch.as_tensor(step.query_start_loc[1:] - 1, dtype=torch.int64, device=runner.device)
+    t, n = step.num_tokens, spec.num_tokens
     buffers.copy_from(step)
-    reference = runner.forward_batch(t, buffers.attn_metadata(num_columns=num_blocks))[:t].clone()
-    aux_reference = [a[:t].clone() for a in runner.last_aux_hidden_states]
+    # The state columns the pass itself would plan, made here so the blocks it writes are known.
+    metas = runner.mamba_states.metadata(buffers.attn_metadata(num_columns=num_blocks))
+    last = torch.as_tensor(step.query_start_loc[1:] - 1, dtype=torch.int64, device=runner.device)
 
-    capturer.load(spec, step)
-    graph.replay_fn()
-    n = spec.num_tokens
-    replayed = graph.output[:n].clone()
-    aux_replayed = [a[:n].clone() for a in graph.aux]
+    def reference() -> list[torch.Tensor]:
+        hidden = runner.forward_batch(t, metas)
+        return [hidden[:t], *(a[:t] for a in runner.last_aux_hidden_states)]
 
-    capturer.load(spec, step)
-    eager_padded, aux_eager = capturer.forward(spec, graph.metas)
+    def replay() -> list[torch.Tensor]:
+        capturer.load(spec, step)
+        graph.replay_fn()
+        return [graph.output[:n], *(a[:n] for a in graph.aux)]
 
-    diff = max_abs_all([replayed, *aux_replayed], [eager_padded[:n], *(a[:n] for a in aux_eager)])
-    real_diff = max_abs_all([replayed[:t], *(a[:t] for a in aux_replayed)], [reference, *aux_reference])
-    real_tol = tol.real_rows_limit([reference, *aux_reference])
-    model = runner.model
-    greedy_ref = model.compute_logits(reference[last]).argmax(-1)
-    greedy_graph = model.compute_logits(replayed[:t][last]).argmax(-1)
-    greedy = bool(torch.equal(greedy_ref, greedy_graph))
-    ok = diff <= tol.replay_vs_eager and real_diff <= real_tol and greedy
-    return GraphCheck(spec.label, t, step.num_reqs, diff, real_diff, greedy, ok)
+    def padded_eager() -> list[torch.Tensor]:
+        capturer.load(spec, step)
+        hidden, aux = capturer.forward(spec, graph.metas)
+        return [hidden[:n], *(a[:n] for a in aux)]
+
+    def greedy(hidden: torch.Tensor) -> torch.Tensor:
+        return runner.model.compute_logits(hidden[last]).argmax(-1)
+
+    return Passes(step.num_reqs, metas, reference, replay, padded_eager, greedy)
+
+
+def _check(label: str, passes: Passes, written: list[Written], tol: Tolerance) -> GraphCheck:
+    """Run ``passes`` with ``written`` put back before the replay and the padded eager pass."""
+    before = [w.view[w.index] for w in written]
+    reference = [o.clone() for o in passes.reference()]
+    kv_reference = [w.view[w.index] for w in written]
+    _restore(written, before)
+    replayed = [o.clone() for o in passes.replay()]
+    kv_replayed = [w.view[w.index] for w in written]
+    _restore(written, before)
+    eager_padded = passes.padded_eager()
+
+    t = reference[0].shape[0]
+    diff = max_abs_all(replayed, eager_padded)
+    real_diff = max_abs_all([o[:t] for o in replayed] + kv_replayed, reference + kv_reference)
+    real_tol = tol.real_rows_limit(reference + kv_reference)
+    greedy_ref, greedy_graph = passes.greedy(reference[0]), passes.greedy(replayed[0][:t])
+    greedy = greedy_ref is None or bool(torch.equal(greedy_ref, greedy_graph))
+    unwritten = sorted({w.group for w in written if w.is_state and w.index.numel() == 0})
+    ok = diff <= tol.replay_vs_eager and real_diff <= real_tol and greedy and not unwritten
+    reason = f"real rows wrote no state in {', '.join(unwritten)}" if unwritten else ""
+    return GraphCheck(label, t, passes.num_reqs, diff, real_diff, greedy, ok, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """Entries ``index`` of ``view``, a view of one layer's cache (so assigning them writes the
+    cache), that the real rows of a pass write; ``is_state``: whole Mamba states."""
+
+    group: str
+    is_state: bool
+    view: torch.Tensor
+    index: torch.Tensor
+
+
+def _layer_written(group: KVCacheGroup, meta: AttentionMetadata, cache: torch.Tensor, t: int) -> Written:
+    """What the first ``t`` (real) tokens of a pass over ``meta`` write into ``cache``."""
+    if isinstance(group.spec, MambaSpec):
+        # ``[num_blocks + 1, state]``: one state per block; the last row is the PAD sink.
+        if not isinstance(meta, MambaMetadata) or meta.write_blocks is None:
+            raise TypeError(
+                f"group {group.name} keeps Mamba state but the pass's metadata names no state blocks: "
+                "its owner (runner.mamba_states, the drafter's state_metadata) must plan them"
+            )
+        blocks = meta.write_blocks[:t].to(torch.int64)
+        sink = cache.shape[0] - 1
+        return Written(group.name, True, cache, torch.unique(blocks[(blocks >= 0) & (blocks != sink)]))
+    # One entry per token (attention K and V, a latent): slot s is (block, offset) flattened.
+    dim = KV_LAYOUTS[group.spec.kind].block_dim
+    slots = meta.slot_mapping[:t].to(torch.int64).clone()
+    return Written(group.name, False, cache.flatten(dim, dim + 1).movedim(dim, 0), slots)
+
+
+def _restore(written: list[Written], values: list[torch.Tensor]) -> None:
+    for w, v in zip(written, values, strict=True):
+        w.view[w.index] = v
 
 
 def context_chunks(contexts: list[int], max_tokens: int) -> list[list[int]]:

@@ -208,14 +208,22 @@ def state_views(state: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[to
 def probe_plan(spec: MambaSpec, num_computed_tokens: int, num_scheduled_tokens: int) -> StatePlan:
     """The plan of a row no tracked request owns (graph verification builds such rows).
 
-    It reads the state the rule puts after its context (``anchor_column``) and writes only when it
-    starts from zero: a probe may run the same step several times (eager, replay, padded eager) and
-    must see the same state each time.
+    The row is a step of committed tokens only (no drafts) whose live state is where the rule puts
+    the state after its context (``anchor_column``): it reads that state (the zero state when it
+    starts from zero) and writes what :func:`plan_state` gives such a step.
+
+    NOTE: a probe may run the same step several times (eager, replay, padded eager) and may write
+    the very block it reads (mode ``none`` always does): whoever reruns it must put the blocks it
+    wrote back before each run (graph verification does), or later runs read another state.
     """
-    c, s = num_computed_tokens, num_scheduled_tokens
-    if c > 0:
-        return StatePlan(anchor_column(spec, c), ())
-    return StatePlan(None, ((s - 1, anchor_column(spec, s)),))
+    c = num_computed_tokens
+    return plan_state(
+        spec,
+        num_computed_tokens=c,
+        num_scheduled_tokens=num_scheduled_tokens,
+        num_spec_tokens=0,
+        live_column=anchor_column(spec, c) if c > 0 else None,
+    )
 
 
 def draft_state_plans(
