@@ -55,7 +55,12 @@ def measure(args: argparse.Namespace, k: int) -> tuple[list[float], list[float],
     )
     groups = [KVCacheGroup("full", FullAttentionSpec(block_size=args.block_size))]
     per_req = (args.prompt_len + (k + 1) * args.steps + k) // args.block_size + 2
-    kv = KVCacheManager(groups, args.num_reqs * per_req + 1, max_model_len=max_model_len)
+    kv = KVCacheManager(
+        groups,
+        args.num_reqs * per_req + 1,
+        max_model_len=max_model_len,
+        enable_caching=not args.no_prefix_caching,
+    )
     sched = Scheduler(config, kv)
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=max_model_len - args.prompt_len - 1, ignore_eos=True)
@@ -90,11 +95,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn prefix caching off (no block hashing)"
+    )
     args = parser.parse_args()
 
     print(
         f"scheduler step cost: {args.num_reqs} running requests, block_size={args.block_size}, "
-        f"{args.steps} steps; peer = the same workload without speculation"
+        f"{args.steps} steps, prefix caching {'off' if args.no_prefix_caching else 'on'}; "
+        "peer = the same workload without speculation"
     )
     print(f"{'run':<10}{'phase':<20}{'median ms':>11}{'p90 ms':>9}{'us/req':>9}{'vs peer':>9}")
     peer = measure(args, 0)

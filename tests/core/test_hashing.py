@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -52,3 +53,22 @@ def test_incremental_hashes_equal_hashing_the_whole_sequence(prompt, output, spl
     extend_block_hashes(hashes, prompt, output[: min(split, len(output))], block_size)
     extend_block_hashes(hashes, prompt, output, block_size)
     assert hashes == reference
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parent=st.integers(0, 2**128 - 1),
+    tokens=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=32),
+    extra=st.lists(st.integers(0, 2**31), max_size=3),
+)
+def test_hash_is_sha256_of_the_documented_encoding(parent, tokens, extra):
+    # Cached hashes must not drift between versions: 16-byte little-endian parent, int64 tokens,
+    # then "|" and int64 extras, sha256, first 16 bytes little-endian.
+    def int64s(values: list[int]) -> bytes:
+        return b"".join(v.to_bytes(8, "little", signed=True) for v in values)
+
+    data = parent.to_bytes(16, "little") + int64s(tokens)
+    if extra:
+        data += b"|" + int64s(extra)
+    expected = int.from_bytes(hashlib.sha256(data).digest()[:16], "little")
+    assert hash_block_tokens(parent, tokens, extra) == expected

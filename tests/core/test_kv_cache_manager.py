@@ -1,7 +1,11 @@
 from __future__ import annotations
 
-import pytest
+import random
 
+import pytest
+from core_fakes import FakeRunner, make_request, make_scheduler, run_to_completion
+
+from warmcap.core import kv_cache_manager
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.kv_spec import (
     CrossAttentionSpec,
@@ -202,3 +206,18 @@ def test_free_returns_tails_first_so_prefix_heads_survive_longest():
 def test_unknown_kv_spec_kinds_are_refused():
     with pytest.raises(ConfigError, match=r"no block strategy for KV spec kind\(s\) \['base'\]"):
         KVCacheManager([KVCacheGroup("x", KVSpec(block_size=4))], 8, max_model_len=16)
+
+
+def test_block_count_memo_eviction_changes_nothing(monkeypatch):
+    def run() -> list:
+        sched = make_scheduler(spec="eagle3:3", block_size=4, num_blocks=24, max_num_batched_tokens=32)
+        for i in range(6):
+            sched.add_request(make_request(f"r{i}", [i % 2] * (5 + 3 * i), max_tokens=12))
+        outputs = run_to_completion(sched, FakeRunner(random.Random(1), k=3))
+        assert sched.kv.pool.num_free_blocks == 23
+        return [*outputs, sched.num_preemptions, sched.kv.stats]
+
+    reference = run()
+    # A memo of one entry starts over on nearly every lookup.
+    monkeypatch.setattr(kv_cache_manager, "_MAX_MEMO", 1)
+    assert run() == reference

@@ -89,6 +89,16 @@ def test_spec_decode_schedules_drafts_reserves_lookahead_and_rolls_back():
     assert stats.mean_acceptance_length == 2.0
 
 
+def test_scheduled_drafts_stay_as_scheduled_after_new_drafts_arrive():
+    sched = make_scheduler(spec="eagle3:3", block_size=4)
+    sched.add_request(make_request("a", list(range(6)), max_tokens=20))
+    step(sched, {"a": [10]}, drafts={"a": [11, 12, 13]})
+    out, _ = step(sched, {"a": [11, 50]}, drafts={"a": [51, 52, 53]})
+    later, _ = step(sched, {"a": [51]}, drafts={"a": [61, 62, 63]})
+    assert out.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
+    assert later.scheduled_spec_decode_tokens == {"a": [51, 52, 53]}
+
+
 def test_dflash_reserves_k_plus_one_and_ngram_none():
     for spec, lookahead in (("dflash:3", 4), ("ngram:3", 0), ("mtp:2", 2), (None, 0)):
         sched = make_scheduler(spec=spec)

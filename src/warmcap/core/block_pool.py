@@ -7,7 +7,7 @@ blocks that fell out of the window). It is never handed out and never freed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from warmcap.errors import CapacityError
@@ -124,7 +124,7 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
 
-    def cache_full_blocks(self, group: str, blocks: Iterable[KVBlock], block_hashes: Iterable[int]) -> None:
+    def cache_full_blocks(self, group: str, blocks: Sequence[KVBlock], block_hashes: Sequence[int]) -> None:
         """Register full blocks under their chained hashes so later requests can share them.
 
         A block already cached keeps its hash; a hash already owned by another block is skipped
@@ -132,12 +132,15 @@ class BlockPool:
         """
         if not self.enable_caching:
             return
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
-            key = (group, block_hash)
-            if block.block_hash is not None or key in self._cached:
+        if len(blocks) != len(block_hashes):
+            raise ValueError(f"{len(blocks)} blocks but {len(block_hashes)} hashes to cache them under")
+        cached = self._cached
+        for i, block in enumerate(blocks):
+            key = (group, block_hashes[i])
+            if block.block_hash is not None or key in cached:
                 continue
             block.block_hash = key
-            self._cached[key] = block
+            cached[key] = block
 
     def get_cached_block(self, block_hash: int, group: str) -> KVBlock | None:
         """The block caching ``block_hash`` in ``group``, held or free, or None."""

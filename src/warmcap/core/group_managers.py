@@ -43,13 +43,16 @@ class GroupManager:
 
     def take(self, req_id: str, hits: Sequence[KVBlock], num_new: int) -> list[int]:
         """Append prefix hits then ``num_new`` fresh blocks; returns the ids appended."""
-        blocks = self.req_blocks.setdefault(req_id, [])
+        blocks = self.req_blocks.get(req_id)
+        if blocks is None:
+            blocks = self.req_blocks[req_id] = []
+        start = len(blocks)
         if hits:
             self.pool.touch(hits)
             blocks.extend(hits)
         if num_new:
             blocks.extend(self.pool.get_new_blocks(num_new))
-        return [b.block_id for b in blocks[len(blocks) - len(hits) - num_new :]]
+        return [b.block_id for b in blocks[start:]]
 
     def free(self, req_id: str) -> None:
         """Return every block the request holds, tail first so tails are evicted first."""

@@ -7,11 +7,21 @@ fixed binary encoding keeps hashes identical across processes and Python hash se
 from __future__ import annotations
 
 import hashlib
-from array import array
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 
 _HASH_BYTES = 16
 ROOT_HASH = 0
+
+
+# Packers of n little-endian int64s by n: the bytes ``array("q", ...)`` gives on every machine we
+# run on, built without the array's per-item conversion (this runs for every block that fills).
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _new_packer(num_ints: int) -> Callable[..., bytes]:
+    pack = _PACKERS[num_ints] = struct.Struct(f"<{num_ints}q").pack
+    return pack
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: Sequence[int] = ()) -> int:
@@ -20,9 +30,10 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra: Sequenc
     ``extra`` carries anything besides tokens that changes the KV (none today; e.g. an adapter id).
     """
     # Blocks in one cache key space all have the same size, so the token bytes need no length.
-    data = parent_hash.to_bytes(_HASH_BYTES, "little") + array("q", token_ids).tobytes()
+    pack = _PACKERS.get(len(token_ids)) or _new_packer(len(token_ids))
+    data = parent_hash.to_bytes(_HASH_BYTES, "little") + pack(*token_ids)
     if extra:
-        data += b"|" + array("q", extra).tobytes()
+        data += b"|" + (_PACKERS.get(len(extra)) or _new_packer(len(extra)))(*extra)
     return int.from_bytes(hashlib.sha256(data).digest()[:_HASH_BYTES], "little")
 
 
@@ -31,19 +42,23 @@ def extend_block_hashes(
 ) -> None:
     """Append hashes for the full blocks of ``prompt + output`` not hashed yet.
 
-    Reads the two lists in place instead of concatenating them: this runs every step for every
-    request, and a concatenation would cost the whole sequence length each time.
+    Reads the two lists in place instead of concatenating them: a concatenation would cost the
+    whole sequence length each time a block fills. Blocks already hashed are never hashed again.
     """
     num_prompt = len(prompt)
     num_full = (num_prompt + len(output)) // block_size
-    parent = block_hashes[-1] if block_hashes else ROOT_HASH
-    for index in range(len(block_hashes), num_full):
-        start, end = index * block_size, (index + 1) * block_size
+    index = len(block_hashes)
+    if index >= num_full:
+        return
+    parent = block_hashes[-1] if index else ROOT_HASH
+    start = index * block_size
+    for end in range(start + block_size, num_full * block_size + 1, block_size):
         if end <= num_prompt:
             tokens = prompt[start:end]
         elif start >= num_prompt:
             tokens = output[start - num_prompt : end - num_prompt]
         else:
-            tokens = list(prompt[start:]) + list(output[: end - num_prompt])
+            tokens = [*prompt[start:], *output[: end - num_prompt]]
         parent = hash_block_tokens(parent, tokens)
         block_hashes.append(parent)
+        start = end

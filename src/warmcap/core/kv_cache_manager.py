@@ -12,6 +12,10 @@ from warmcap.core.hashing import extend_block_hashes
 from warmcap.core.reservation import block_of, blocks_per_request, reserved_blocks
 from warmcap.errors import ConfigError
 
+# Distinct (tokens, lookahead, encoder tokens) keys kept before the memo starts over; each entry is
+# small, and a key space that large only comes from many distinct encoder lengths.
+_MAX_MEMO = 1 << 16
+
 if TYPE_CHECKING:
     from warmcap.core.block_pool import KVBlock
     from warmcap.core.kv_spec import KVCacheGroup
@@ -31,6 +35,17 @@ class KVCacheStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    """What the manager remembers about a request between its steps."""
+
+    # Block counts per group that its holdings are known to cover (held >= counts in each group).
+    counts: tuple[int, ...]
+    # Leading blocks registered in the prefix cache, and the token count that fills the next one.
+    num_cached: int
+    cache_at: int
 
 
 class KVCacheManager:
@@ -80,7 +95,10 @@ class KVCacheManager:
         # token (EAGLE shifts tokens by one), which the block hash does not cover: such hits drop
         # their last block so the drafter recomputes it.
         self._trim_last_hit = any(g.is_drafter for g in self.groups)
-        self._num_cached: dict[str, int] = {}
+        self._caching = [m for m in self.managers if isinstance(m, AttentionManager)]
+        self._state: dict[str, _RequestState] = {}
+        self._counts: dict[tuple[int, int, int], tuple[int, ...]] = {}
+        self._interned: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -168,31 +186,91 @@ class KVCacheManager:
     ) -> dict[str, list[int]] | None:
         """Grow the request's blocks to the rule's count; returns the ids appended per group,
         or None when the pool is short, in which case nothing changed."""
+        # NOTE: this runs for every running request every step. The common case, a step that
+        # needs no new block, must stay free of per-group work: keep slow paths in helpers.
         req_id = request.request_id
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_external_computed_tokens + num_new_tokens
-        encoder_tokens = num_encoder_tokens or request.num_encoder_tokens
-        hits = self._hit_blocks(new_computed_blocks) if new_computed_blocks else None
-        max_model_len = self.max_model_len
-        counts: list[int] = []
-        need = 0
-        for i, m in enumerate(self.managers):
+        key = (num_tokens, num_lookahead_tokens, num_encoder_tokens or request.num_encoder_tokens)
+        counts = self._counts.get(key) or self._reserve(key)
+        state = self._state.get(req_id)
+        # Counts are interned, so identity means the holdings already cover the rule's count.
+        if state is None or counts is not state.counts or new_computed_blocks or self._releasing:
+            new_ids = self._grow(
+                request, state, counts, num_computed, num_new_computed_tokens, new_computed_blocks
+            )
+            if new_ids is None:
+                return None
+            state = self._state[req_id]
+        else:
+            new_ids = {}
+            for name in self._group_names:
+                new_ids[name] = []
+        if num_tokens >= state.cache_at and self.enable_caching:
+            # Only blocks full of the request's own tokens whose KV is written by the end of this
+            # step: never the lookahead region, never draft tokens (not in the request's tokens).
+            num_real = len(request.prompt_token_ids) + len(request.output_token_ids)
+            end = num_tokens if num_tokens < num_real else num_real
+            if end >= state.cache_at:
+                self._cache_full_blocks(request, state, end)
+        return new_ids
+
+    def free(self, request: Request) -> None:
+        """Return every block the request holds (released placeholders excluded)."""
+        for m in self.managers:
+            m.free(request.request_id)
+        self._state.pop(request.request_id, None)
+
+    # ---------------------------------------------------------------------------------- internal
+
+    def _reserve(self, key: tuple[int, int, int]) -> tuple[int, ...]:
+        """The rule's block count per group for (tokens, lookahead, encoder tokens), memoized:
+        a pure function of the key, asked for every running request every step."""
+        num_tokens, num_lookahead_tokens, num_encoder_tokens = key
+        counts = tuple(
             # Cross-attention groups size by the request's encoder length; others ignore it.
-            n = reserved_blocks(
+            reserved_blocks(
                 m.spec,
                 num_tokens,
                 num_lookahead_tokens=num_lookahead_tokens,
-                max_model_len=max_model_len,
-                max_encoder_len=encoder_tokens,
+                max_model_len=self.max_model_len,
+                max_encoder_len=num_encoder_tokens,
             )
+            for m in self.managers
+        )
+        if len(self._counts) >= _MAX_MEMO:
+            self._counts.clear()
+            self._interned.clear()
+        # Equal counts share one tuple, so a request's step compares them by identity.
+        counts = self._interned.setdefault(counts, counts)
+        self._counts[key] = counts
+        return counts
+
+    def _grow(
+        self,
+        request: Request,
+        state: _RequestState | None,
+        counts: tuple[int, ...],
+        num_computed: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: dict[str, list[int]] | None,
+    ) -> dict[str, list[int]] | None:
+        """Take prefix hits and fresh blocks up to ``counts``; returns the ids appended per group,
+        or None when the pool is short, in which case nothing changed."""
+        req_id = request.request_id
+        hits = self._hit_blocks(new_computed_blocks) if new_computed_blocks else None
+        shortfall: list[int] = []
+        need = 0
+        for i, m in enumerate(self.managers):
+            n = counts[i]
             held = m.req_blocks.get(req_id)
             if held:
                 n -= len(held)
             if hits:
                 n -= len(hits[i])
+            shortfall.append(n)
             if n > 0:
                 need += n
-            counts.append(n)
         if hits:
             # A hit that is free right now leaves the free queue when touched.
             need += sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0)
@@ -203,32 +281,22 @@ class KVCacheManager:
             if need > free_now:
                 return None
 
-        if req_id not in self._num_cached:
-            self._num_cached[req_id] = len(hits[0]) if hits else 0
+        if state is None:
+            num_cached = len(hits[0]) if hits else 0
+            state = _RequestState(counts, num_cached, (num_cached + 1) * self._hash_block_size)
+            self._state[req_id] = state
             self._prefix_queries += request.num_tokens
             self._prefix_hits += num_new_computed_tokens
         for m in self._releasing:
             m.release_skipped(req_id, num_computed)
-        if need or hits:
-            new_ids = {
-                m.name: m.take(req_id, hits[i] if hits else (), n if n > 0 else 0)
-                for i, (m, n) in enumerate(zip(self.managers, counts, strict=True))
-            }
-        else:
-            new_ids = {name: [] for name in self._group_names}
-        if self.enable_caching:
-            num_full = block_of(self._hash_spec, min(num_tokens, request.num_tokens))
-            if num_full > self._num_cached[req_id]:
-                self._cache_full_blocks(request, num_full)
+        new_ids: dict[str, list[int]] = {}
+        for i, m in enumerate(self.managers):
+            n = shortfall[i]
+            new_ids[m.name] = m.take(req_id, hits[i] if hits else (), n if n > 0 else 0)
+        # Every group now holds at least ``counts``: later steps asking for the same counts skip
+        # this method.
+        state.counts = counts
         return new_ids
-
-    def free(self, request: Request) -> None:
-        """Return every block the request holds (released placeholders excluded)."""
-        for m in self.managers:
-            m.free(request.request_id)
-        self._num_cached.pop(request.request_id, None)
-
-    # ---------------------------------------------------------------------------------- internal
 
     def _hit_blocks(self, new_computed_blocks: dict[str, list[int]]) -> list[list[KVBlock]]:
         blocks = self.pool.blocks
@@ -239,12 +307,14 @@ class KVCacheManager:
             request.block_hashes, request.prompt_token_ids, request.output_token_ids, self._hash_block_size
         )
 
-    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
-        # Callers count only blocks full of the request's own tokens whose KV is written by the end
-        # of this step: never the lookahead region, never draft tokens (not in the request's tokens).
-        start = self._num_cached[request.request_id]
-        self._update_hashes(request)
-        for m in self.managers:
-            if isinstance(m, AttentionManager):
-                m.cache(request.request_id, request.block_hashes, start, num_full)
-        self._num_cached[request.request_id] = num_full
+    def _cache_full_blocks(self, request: Request, state: _RequestState, end: int) -> None:
+        """Register the request's blocks that are full of tokens ``[0, end)`` and not cached yet."""
+        num_full = block_of(self._hash_spec, end)
+        block_hashes = request.block_hashes
+        extend_block_hashes(
+            block_hashes, request.prompt_token_ids, request.output_token_ids, self._hash_block_size
+        )
+        for m in self._caching:
+            m.cache(request.request_id, block_hashes, state.num_cached, num_full)
+        state.num_cached = num_full
+        state.cache_at = (num_full + 1) * self._hash_block_size
