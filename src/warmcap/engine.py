@@ -120,14 +120,6 @@ class LLMEngine:
         )
         self.tokenizer = _try_tokenizer(load_tokenizer, self.model_path)
         self.drafter = build_drafter(config, self.model)
-        if config.model.batch_invariant and self.drafter is not None:
-            from warmcap.models.batch_invariant import make_batch_invariant
-
-            # Drafter heads are built beside the target (a draft LM was made invariant by its loader).
-            for name in ("model", "head"):
-                module = getattr(self.drafter, name, None)
-                if isinstance(module, torch.nn.Module):
-                    make_batch_invariant(module)
         t_kv = time.perf_counter()
         self.kv_groups = build_kv_groups(self.model, config, self.drafter)
         self.num_blocks = num_kv_blocks(config, self.kv_groups, self.device)

@@ -242,6 +242,11 @@ def build_drafter(config: EngineConfig, target: nn.Module) -> Drafter | None:
     head, aux = build_head(
         spec.method, target, spec.model, seed=config.model.seed + 1, target_path=target_path
     )
+    if config.model.batch_invariant:
+        # The head's own linears, like the target's and a draft LM's (made so by the loader).
+        from warmcap.models.batch_invariant import make_batch_invariant
+
+        make_batch_invariant(head)
     if spec.method == "dflash":
         assert isinstance(head, DFlashHead)
         return DFlashDrafter(config, head, aux_layers=aux)
