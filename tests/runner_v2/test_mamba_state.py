@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.core.reservation import block_of, reserved_blocks
 from warmcap.runner_v2.attention.base import AttentionMetadata
+from warmcap.runner_v2.mamba_draft_state import draft_state_plans
 from warmcap.runner_v2.mamba_state import (
     StatePlan,
     accepted_column,
     anchor_column,
     build_mamba_metadata,
-    draft_state_plans,
     plan_state,
     prefix_column,
     probe_plan,

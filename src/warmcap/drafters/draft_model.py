@@ -38,7 +38,8 @@ from warmcap.drafters.paged import (
     run_pass,
 )
 from warmcap.kv_layout import layer_specs
-from warmcap.runner_v2.mamba_state import draft_row_plans, mamba_metadata
+from warmcap.runner_v2.mamba_draft_state import draft_row_plans
+from warmcap.runner_v2.mamba_state import mamba_metadata
 
 if TYPE_CHECKING:
     from torch import nn

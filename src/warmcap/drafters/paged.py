@@ -18,7 +18,8 @@ import torch
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.runner_v2.attention.base import AttentionMetadata, ForwardContext
 from warmcap.runner_v2.kv_writes import KVWriteRecord
-from warmcap.runner_v2.mamba_state import draft_state_metadata, state_write_slots
+from warmcap.runner_v2.mamba_draft_state import draft_state_metadata
+from warmcap.runner_v2.mamba_state import state_write_slots
 from warmcap.runner_v2.slot_mapping import slot_mapping
 
 if TYPE_CHECKING:
