@@ -95,3 +95,17 @@ def test_max_model_len_must_be_resolved_and_fit_the_model():
     resolved.validate_against(model_max_len=512)
     with pytest.raises(ConfigError, match="512 exceeds the model's limit 256"):
         resolved.validate_against(model_max_len=256)
+
+
+@pytest.mark.parametrize("text", ["eagle3:", "dflash: @./head", "mtp:@./head"])
+def test_a_colon_without_k_is_refused_not_read_as_k_1(text):
+    method = text.partition(":")[0]
+    with pytest.raises(ConfigError, match=f"{text!r} has ':' but no K.*as in {method}:3"):
+        SpeculativeConfig.parse(text)
+
+
+def test_an_unknown_method_error_lists_every_method():
+    with pytest.raises(ConfigError) as err:
+        SpeculativeConfig.parse('{"method": "medusa", "num_speculative_tokens": 2}')
+    listed = str(err.value).partition("use one of ")[2]
+    assert listed.split(", ") == ["ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash"]

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from warmcap.errors import ConfigError
+from warmcap.spec_methods import METHODS, SpecMethod, spec_method
 
-SPEC_METHODS: tuple[str, ...] = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash")
+SPEC_METHODS: tuple[str, ...] = tuple(METHODS)
 KV_ROLES: tuple[str, ...] = ("none", "producer", "consumer")
 MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "all", "align")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -115,10 +116,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
-        _require(
-            self.method in SPEC_METHODS,
-            f"unknown speculative method {self.method!r}: use one of {', '.join(SPEC_METHODS)}",
-        )
+        entry = spec_method(self.method)
         k = self.num_speculative_tokens
         _require(
             isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
@@ -130,17 +128,22 @@ class SpeculativeConfig:
             "ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max; got "
             f"{self.prompt_lookup_min}..{self.prompt_lookup_max}",
         )
-        if self.method == "ngram":
-            _require(self.model is None, "ngram drafts from the prompt itself: drop the @DRAFT path")
+        if entry.weights == "none":
+            _require(
+                self.model is None,
+                f"{self.method} drafts without weights, so it takes no draft model or head "
+                f"(got @{self.model}): drop the @DRAFT path",
+            )
+
+    @property
+    def entry(self) -> SpecMethod:
+        """The method's entry in the table of speculative methods (``spec_methods.py``)."""
+        return spec_method(self.method)
 
     @property
     def lookahead(self) -> int:
-        """KV slots a drafter writes past the scheduled tokens (DESIGN.md reservation table)."""
-        if self.method == "ngram":
-            return 0
-        if self.method == "dflash":
-            return self.num_speculative_tokens + 1
-        return self.num_speculative_tokens
+        """KV slots the drafter writes past the scheduled tokens, from the method table."""
+        return self.entry.lookahead(self.num_speculative_tokens)
 
     @classmethod
     def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
@@ -161,8 +164,14 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative JSON must be an object; got {text!r}")
             return cls._from_mapping(data)
         head, _, draft = text.partition("@")
-        method, _, k_text = head.partition(":")
+        method, colon, k_text = head.partition(":")
         k = 1
+        if colon and not k_text.strip():
+            # NOTE: ``eagle3:`` once meant k = 1 silently; a typo'd K must not run another setting.
+            raise ConfigError(
+                f"speculative spec {text!r} has ':' but no K: write the number of draft tokens, "
+                f"as in {method.strip() or 'eagle3'}:3, or drop the ':' for k = 1"
+            )
         if k_text:
             try:
                 k = int(k_text)
@@ -223,8 +232,11 @@ class EngineConfig:
 
     @property
     def uniform_decode_query_len(self) -> int:
-        """1 + k for every method; not derived from the lookahead."""
-        return 1 + self.num_speculative_tokens
+        """Query tokens of a decode step verifying k drafts (1 + k for every method; not derived
+        from the lookahead); 1 without speculation or for a prefill producer."""
+        if self.speculative is None:
+            return 1
+        return self.speculative.entry.uniform_decode_query_len(self.num_speculative_tokens)
 
     @property
     def max_model_len(self) -> int:

@@ -14,7 +14,6 @@ from warmcap.config import SPEC_METHODS, EngineConfig, ModelConfig, SpeculativeC
 from warmcap.drafters import DraftGraphShape, build_drafter
 from warmcap.drafters.draft_model import DraftModelDrafter
 from warmcap.drafters.heads import Eagle3Head
-from warmcap.drafters.ngram import NgramDrafter
 from warmcap.errors import ConfigError, ModelLoadError
 
 
@@ -60,13 +59,9 @@ def test_no_drafter_without_speculation_or_on_a_prefill_producer() -> None:
 
 
 def test_a_drafter_whose_writes_disagree_with_the_reservation_is_refused() -> None:
-    class Greedy(NgramDrafter):
-        @staticmethod
-        def lookahead_for(num_speculative_tokens: int) -> int:
-            return num_speculative_tokens
-
-    with pytest.raises(ConfigError, match="reserves 0"):
-        Greedy(_config("ngram:2"))
+    # A prefill producer reserves no lookahead, but a draft LM would write k slots past its tokens.
+    with pytest.raises(ConfigError, match=r"writes 2 KV slots .* reserves 0"):
+        DraftModelDrafter(_config("draft_model:2@self", kv_role="producer"), _target())
     with pytest.raises(ConfigError, match="draft_model"):
         DraftModelDrafter(_config("eagle:2"), _target())
 

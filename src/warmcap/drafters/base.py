@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from warmcap.core.kv_spec import group_layers
 from warmcap.errors import ConfigError
+from warmcap.spec_methods import spec_method
 
 if TYPE_CHECKING:
     import torch
@@ -49,9 +50,10 @@ def autoregressive_graph_shapes(num_speculative_tokens: int) -> list[DraftGraphS
 class Drafter(ABC):
     """A speculative-decoding proposer.
 
-    Subclasses set ``method`` and ``lookahead_for(k)``: how many KV slots past a request's scheduled
-    tokens the drafter writes. That number must equal the lookahead the KV cache manager reserves
-    (``EngineConfig.num_lookahead_tokens``), otherwise drafter writes leave the request's blocks.
+    Subclasses set ``method``; its entry in ``spec_methods.METHODS`` says how many KV slots past a
+    request's scheduled tokens the drafter writes (``lookahead``). That number must equal the
+    lookahead the KV cache manager reserves (``EngineConfig.num_lookahead_tokens``), otherwise
+    drafter writes leave the request's blocks.
     """
 
     method: ClassVar[str]
@@ -64,7 +66,7 @@ class Drafter(ABC):
             raise ConfigError(f"{type(self).__name__} needs speculative method {self.method!r}; got {spec}")
         self.config = config
         self.num_speculative_tokens = spec.num_speculative_tokens
-        self.lookahead = self.lookahead_for(self.num_speculative_tokens)
+        self.lookahead = spec_method(self.method).lookahead(self.num_speculative_tokens)
         #: the drafter's own KV groups, set by ``kv_groups`` (empty for drafters without KV)
         self._groups: list[KVCacheGroup] = []
         if self.lookahead != config.num_lookahead_tokens:
@@ -72,11 +74,6 @@ class Drafter(ABC):
                 f"{self.method} writes {self.lookahead} KV slots past the scheduled tokens but the engine "
                 f"reserves {config.num_lookahead_tokens}: the reservation table and the drafter disagree"
             )
-
-    @staticmethod
-    @abstractmethod
-    def lookahead_for(num_speculative_tokens: int) -> int:
-        """KV slots written past the scheduled tokens for ``k`` draft tokens."""
 
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
         """The drafter's own KV groups (``is_drafter=True``, names prefixed ``draft.``)."""

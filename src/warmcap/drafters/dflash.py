@@ -17,19 +17,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.reservation import blocks_covering
-from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
+from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, DraftGraphShape
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
+from warmcap.drafters.hidden import HeadDrafter
 from warmcap.drafters.paged import DraftPass, StepView, num_drafts_allowed, run_pass
+from warmcap.drafters.registry import register
 from warmcap.models.layers import RMSNorm
 from warmcap.runner_v2.attention.base import AttentionMetadata
 from warmcap.runner_v2.attention.torch_paged import write_kv
 
 if TYPE_CHECKING:
-    from warmcap.config import EngineConfig
     from warmcap.core.outputs import SchedulerOutput
     from warmcap.runner_v2.model_runner import ModelRunner
+
+
+#: depth of a random DFlash head (published DFlash drafters use a few layers; EAGLE-style heads one)
+RANDOM_DFLASH_LAYERS = 2
 
 
 def block_attention(
@@ -116,24 +120,24 @@ class DFlashHead(TargetTiedHead):
         return self.norm(x)
 
 
-class DFlashDrafter(Drafter):
+@register
+class DFlashDrafter(HeadDrafter):
     """Block-parallel drafter over its own KV group, conditioned on target layers ``aux_layers``."""
 
     method = "dflash"
-
-    def __init__(self, config: EngineConfig, head: DFlashHead, *, aux_layers: tuple[int, ...]) -> None:
-        super().__init__(config)
-        self.head = head
-        self.aux_layers = aux_layers
-        self.dtype = next(head.parameters()).dtype
+    head: DFlashHead
 
     @staticmethod
-    def lookahead_for(num_speculative_tokens: int) -> int:
-        return num_speculative_tokens + 1
-
-    def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
-        specs = self.head.kv_layer_specs(block_size, self.dtype)
-        return self._own_groups(specs)
+    def make_head(
+        cfg: Any, target: nn.Module, state: dict[str, torch.Tensor] | None, aux_layers: tuple[int, ...]
+    ) -> DFlashHead:
+        if state is None:
+            # Published DFlash heads state their depth; a random one gets a few layers.
+            cfg.num_hidden_layers = RANDOM_DFLASH_LAYERS
+        mask = getattr(cfg, "mask_token_id", None)
+        return DFlashHead(
+            cfg, target, num_target_states=len(aux_layers), mask_token_id=int(mask if mask is not None else 0)
+        )
 
     def graph_shapes(self) -> list[DraftGraphShape]:
         return [
@@ -181,15 +185,9 @@ class DFlashDrafter(Drafter):
         if not view.req_ids:
             return {}
         device = runner.device
-        aux = runner.last_aux_hidden_states
-        if not aux:
-            raise RuntimeError(
-                f"dflash needs the target's hidden states of layers {self.aux_layers}: "
-                "set runner.aux_hidden_state_layers before the first step"
-            )
         ctx = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
         rows = torch.from_numpy(view.valid_state_index()).to(device)
-        features = torch.cat(list(aux), dim=-1)[rows].to(self.dtype)
+        features = self.target_states(runner)[rows].to(self.dtype)
         empty = torch.zeros(ctx.num_tokens, dtype=torch.int64, device=device)
         run_pass(
             runner,

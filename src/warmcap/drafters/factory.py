@@ -21,20 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from warmcap.drafters.dflash import DFlashDrafter, DFlashHead
-from warmcap.drafters.draft_model import DraftModelDrafter
-from warmcap.drafters.heads import (
-    DeepseekMTPHead,
-    Eagle3Head,
-    EagleHead,
-    MTPHead,
-    TargetTiedHead,
-    eagle3_aux_layers,
-)
-from warmcap.drafters.hidden import HIDDEN_DRAFTERS, head_kwargs
-from warmcap.drafters.ngram import NgramDrafter
+# The drafter modules register their classes (drafters/registry.py) when imported.
+from warmcap.drafters import dflash, draft_model, hidden, ngram  # noqa: F401
+from warmcap.drafters.hidden import HeadDrafter
+from warmcap.drafters.registry import drafter_class
 from warmcap.errors import ConfigError, ModelLoadError
-from warmcap.models.deepseek_v3 import DeepseekV3ForCausalLM, mtp_layer_state, num_mtp_layers
 from warmcap.models.moe import DeepseekMoE
 
 if TYPE_CHECKING:
@@ -42,13 +33,12 @@ if TYPE_CHECKING:
 
     from warmcap.config import EngineConfig
     from warmcap.drafters.base import Drafter
+    from warmcap.drafters.heads import TargetTiedHead
 
 RANDOM = "random"
 #: checkpoint entries of head directories that duplicate target weights we share instead
 SHARED_WITH_TARGET = ("embed_tokens.weight", "t2d")
 RANDOM_INIT_STD = 0.1
-#: depth of a random DFlash head (published DFlash drafters use a few layers; EAGLE-style heads one)
-RANDOM_DFLASH_LAYERS = 2
 #: ``config.json`` fields of a head directory that override the target's
 HEAD_CONFIG_KEYS = frozenset(
     {
@@ -141,44 +131,18 @@ def _head_path(spec_model: str | None) -> Path | None:
 
 
 def build_head(
-    method: str,
-    target: nn.Module,
-    spec_model: str | None,
-    *,
-    seed: int,
-    target_path: Path | None = None,
+    drafter: type[HeadDrafter], config: EngineConfig, target: nn.Module
 ) -> tuple[TargetTiedHead, tuple[int, ...]]:
-    """The head for ``method`` and the target layers it reads (empty: the final hidden state).
-    ``target_path`` is the target's checkpoint directory, where DeepSeek keeps its MTP layers."""
-    path = _head_path(spec_model)
+    """The head of ``drafter``'s method and the target layers it reads (empty: the final hidden
+    state), with weights from the head directory, the target's checkpoint or seeded random."""
+    spec = config.speculative
+    assert spec is not None  # build_drafter builds heads for speculative configs only
+    path = _head_path(spec.model)
     cfg = _head_config(target, path)
     state = _read_state(path) if path is not None else None
-    num_target_layers = target.hf_config.num_hidden_layers
-    default_aux = eagle3_aux_layers(num_target_layers)
-    aux = tuple(
-        getattr(cfg, "aux_hidden_state_layer_ids", None) or getattr(cfg, "target_layer_ids", None) or ()
-    )
-    head: TargetTiedHead
-    if method == "eagle":
-        head, aux = EagleHead(cfg, target, **head_kwargs(method, state or {})), ()
-    elif method == "eagle3":
-        head = Eagle3Head(cfg, target, **head_kwargs(method, state or {}))
-        aux = aux or default_aux
-    elif method == "mtp" and isinstance(target, DeepseekV3ForCausalLM):
-        head, aux = DeepseekMTPHead(cfg, target), ()
-        planning = next(target.parameters()).device.type == "meta"
-        if spec_model is None and num_mtp_layers(target.hf_config) and target_path and not planning:
-            state = mtp_layer_state(target_path, target.hf_config)
-    elif method == "mtp":
-        head, aux = MTPHead(cfg, target), ()
-    else:
-        if path is None:
-            cfg.num_hidden_layers = RANDOM_DFLASH_LAYERS
-        aux = aux or default_aux
-        mask = getattr(cfg, "mask_token_id", None)
-        head = DFlashHead(
-            cfg, target, num_target_states=len(aux), mask_token_id=int(mask if mask is not None else 0)
-        )
+    configured = getattr(cfg, "aux_hidden_state_layer_ids", None) or getattr(cfg, "target_layer_ids", None)
+    aux = spec.entry.aux_layers(target.hf_config.num_hidden_layers, tuple(configured or ()))
+    head = drafter.make_head(cfg, target, state, aux)
     head.to(target.dtype)
     for module in head.modules():
         if isinstance(module, DeepseekMoE):
@@ -188,8 +152,10 @@ def build_head(
     if device.type == "meta":
         # Planning without weights: only the head's shapes (its KV layer specs) matter.
         return head.to(device).eval(), aux
+    if state is None and spec.model is None:
+        state = head.checkpoint_state(lambda: _target_path(config))
     if state is None:
-        randomize(head, seed)
+        randomize(head, config.model.seed + 1)
     else:
         load_head_state(head, state)
     return head.to(device).eval(), aux
@@ -230,24 +196,22 @@ def _target_path(config: EngineConfig) -> Path:
 
 
 def build_drafter(config: EngineConfig, target: nn.Module) -> Drafter | None:
-    """The drafter the speculative config asks for, or None (no speculation, or a P/D producer)."""
+    """The drafter the speculative config asks for, or None (no speculation, or a P/D producer):
+    the class registered for the method, given the weights its table entry says it drafts with."""
     spec = config.speculative
     if spec is None or config.num_speculative_tokens == 0:
         return None
-    if spec.method == "ngram":
-        return NgramDrafter(config)
-    if spec.method == "draft_model":
-        return DraftModelDrafter(config, _draft_lm(config, target, spec.model))
-    target_path = _target_path(config) if spec.method == "mtp" else None
-    head, aux = build_head(
-        spec.method, target, spec.model, seed=config.model.seed + 1, target_path=target_path
-    )
+    cls = drafter_class(spec.method)
+    if spec.entry.needs_draft_model:
+        return cls(config, _draft_lm(config, target, spec.model))
+    if not spec.entry.needs_head:
+        return cls(config)
+    if not issubclass(cls, HeadDrafter):
+        raise TypeError(f"{cls.__name__} drafts {spec.method} with a head but is not a HeadDrafter")
+    head, aux = build_head(cls, config, target)
     if config.model.batch_invariant:
         # The head's own linears, like the target's and a draft LM's (made so by the loader).
         from warmcap.models.batch_invariant import make_batch_invariant
 
         make_batch_invariant(head)
-    if spec.method == "dflash":
-        assert isinstance(head, DFlashHead)
-        return DFlashDrafter(config, head, aux_layers=aux)
-    return HIDDEN_DRAFTERS[spec.method](config, head, aux_layers=aux)
+    return cls(config, head, aux_layers=aux)

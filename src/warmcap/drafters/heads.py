@@ -18,13 +18,15 @@ follow the public checkpoint layouts so a head directory loads one-to-one:
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from warmcap.core.kv_spec import FullAttentionSpec, IndexerSpec, KVSpec, MLASpec
-from warmcap.models.deepseek_v3 import DeepseekDecoderLayer
+from warmcap.models.deepseek_v3 import DeepseekDecoderLayer, mtp_layer_state, num_mtp_layers
 from warmcap.models.layers import GatedMLP, RMSNorm
 from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 from warmcap.runner_v2.attention.base import ForwardContext
@@ -149,6 +151,11 @@ class TargetTiedHead(nn.Module):
         """Greedy draft ids in the target vocabulary from step outputs ``[N, H]``."""
         return self.target.compute_logits(hidden).argmax(dim=-1)
 
+    def checkpoint_state(self, target_dir: Callable[[], Path]) -> dict[str, torch.Tensor] | None:
+        """Weights for this head that ship inside the target's checkpoint (``target_dir()``), used
+        when no head directory is given; None: there are none (the head starts random)."""
+        return None
+
 
 class DraftHead(TargetTiedHead, metaclass=ABCMeta):
     """A head applied step by step: its own output feeds its next step."""
@@ -230,11 +237,6 @@ class MTPHead(DraftHead):
         return self.target.compute_logits(self.shared_head.norm(hidden)).argmax(dim=-1)
 
 
-def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """Target layers whose inputs EAGLE-3 fuses: low, middle and high (the usual choice)."""
-    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
-
-
 class DeepseekMTPHead(DraftHead):
     """DeepSeek-V3 multi-token prediction: ``eh_proj([enorm(embed); hnorm(h)])`` -> one DeepSeek
     decoder layer (MLA over its own latent cache, MoE) -> ``shared_head.norm`` -> target LM head.
@@ -285,3 +287,9 @@ class DeepseekMTPHead(DraftHead):
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(self.shared_head.norm(hidden)).argmax(dim=-1)
+
+    def checkpoint_state(self, target_dir: Callable[[], Path]) -> dict[str, torch.Tensor] | None:
+        # A DeepSeek checkpoint may carry its MTP layers after the decoder layers.
+        if not num_mtp_layers(self.target.hf_config):
+            return None
+        return mtp_layer_state(target_dir(), self.target.hf_config)

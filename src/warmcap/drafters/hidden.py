@@ -1,6 +1,7 @@
-"""EAGLE, EAGLE-3 and MTP: drafters fed by the target's hidden states, k autoregressive steps.
+"""Drafters fed by the target's hidden states: the head-drafter base (EAGLE, EAGLE-3, MTP and
+DFlash) and the autoregressive EAGLE, EAGLE-3 and MTP drafters.
 
-Position ``p`` of the drafter pairs the target's state at ``p`` with the token at ``p + 1`` and
+In the autoregressive ones, position ``p`` of the drafter pairs the target's state at ``p`` with the token at ``p + 1`` and
 predicts the token at ``p + 2``. Each engine step:
 
 - ``draft_prefill``: positions ``start .. start + valid - 1`` (the target states of real tokens this
@@ -14,60 +15,72 @@ Positions written with the drafter's own states are rewritten from target states
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from warmcap.core.kv_spec import KVCacheGroup
-from warmcap.drafters.base import (
-    DRAFT_DECODE,
-    DRAFT_GROUP_PREFIX,
-    DRAFT_PREFILL,
-    Drafter,
-    DraftGraphShape,
-    autoregressive_graph_shapes,
-)
-from warmcap.drafters.heads import DraftHead
-from warmcap.drafters.paged import (
-    DraftPass,
-    StepView,
-    collect_drafts,
-    draft_context,
-    num_drafts_allowed,
-    run_pass,
-)
+from warmcap.drafters.autoregressive import AutoregressiveDrafter
+from warmcap.drafters.base import DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter
+from warmcap.drafters.heads import DeepseekMTPHead, DraftHead, Eagle3Head, EagleHead, MTPHead, TargetTiedHead
+from warmcap.drafters.paged import DraftPass, StepView, draft_context
+from warmcap.drafters.registry import register
+from warmcap.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from warmcap.config import EngineConfig
-    from warmcap.core.outputs import SchedulerOutput
     from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
-class HiddenStateDrafter(Drafter):
-    """Runs a :class:`DraftHead` over the drafter's paged KV group."""
+class HeadDrafter(Drafter):
+    """A drafter running a head tied to the target over its own ``draft.`` KV groups, conditioned
+    on the target's hidden states (the final ones, or the inputs of ``aux_layers``)."""
 
-    method: ClassVar[str]
-
-    def __init__(self, config: EngineConfig, head: DraftHead, *, aux_layers: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, config: EngineConfig, head: TargetTiedHead, *, aux_layers: tuple[int, ...] = ()
+    ) -> None:
         super().__init__(config)
         self.head = head
-        #: target layers whose inputs the head consumes (EAGLE-3), in concatenation order
+        #: target layers whose inputs the head consumes, in concatenation order
         self.aux_layers = aux_layers
         self.dtype = next(head.parameters()).dtype
 
     @staticmethod
-    def lookahead_for(num_speculative_tokens: int) -> int:
-        return num_speculative_tokens
+    @abstractmethod
+    def make_head(
+        cfg: Any, target: nn.Module, state: dict[str, torch.Tensor] | None, aux_layers: tuple[int, ...]
+    ) -> TargetTiedHead:
+        """The method's head shaped by ``cfg`` (the target's config with the head directory's on
+        top) and by what its checkpoint ``state`` implies (None: no head directory)."""
 
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
-        specs = self.head.kv_layer_specs(block_size, self.dtype)
-        return self._own_groups(specs)
+        return self._own_groups(self.head.kv_layer_specs(block_size, self.dtype))
 
-    def graph_shapes(self) -> list[DraftGraphShape]:
-        return autoregressive_graph_shapes(self.num_speculative_tokens)
+    def target_states(self, runner: ModelRunner) -> torch.Tensor:
+        """The target features of the latest step ``[T, H * n]``: the final hidden states, or the
+        inputs of ``aux_layers`` side by side."""
+        if not self.aux_layers:
+            return runner.last_hidden_states
+        aux = runner.last_aux_hidden_states
+        if not aux:
+            raise RuntimeError(
+                f"{self.method} needs the target's auxiliary hidden states of layers {self.aux_layers}: "
+                "set runner.aux_hidden_state_layers before the first step"
+            )
+        return torch.cat(list(aux), dim=-1)
+
+
+class HiddenStateDrafter(HeadDrafter, AutoregressiveDrafter):
+    """Runs a :class:`DraftHead` step by step, each step fed its own previous output."""
+
+    head: DraftHead
+    # Draft i pairs with the head's own state of the position before it: P + i - 1.
+    step_offset: ClassVar[int] = -1
 
     def feature_spec(self, phase: str) -> tuple[int, torch.dtype]:
         # The prefill reads target features (EAGLE-3: its aux layers side by side); later steps
@@ -95,86 +108,55 @@ class HiddenStateDrafter(Drafter):
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
         return self.head.draft_tokens(output)
 
-    def target_states(self, runner: ModelRunner) -> torch.Tensor:
-        """The target features of the latest step ``[T, H * n]`` the head's first step reads."""
-        if not self.aux_layers:
-            return runner.last_hidden_states
-        aux = runner.last_aux_hidden_states
-        if not aux:
-            raise RuntimeError(
-                f"{self.method} needs the target's auxiliary hidden states of layers {self.aux_layers}: "
-                "set runner.aux_hidden_state_layers before the first step"
-            )
-        return torch.cat(list(aux), dim=-1)
-
-    def _run(
-        self, runner: ModelRunner, dp: DraftPass, input_ids: torch.Tensor, hidden: torch.Tensor, phase: str
-    ) -> torch.Tensor:
-        kind = DRAFT_PREFILL if phase == DRAFT_PREFILL else DRAFT_DECODE
-        return run_pass(runner, self, dp, phase=kind, log_phase=phase, input_ids=input_ids, features=hidden)
-
-    def propose(
-        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
-    ) -> dict[str, list[int]]:
-        view = StepView.from_runner(runner, sampled)
-        if not view.req_ids:
-            return {}
-        device = runner.device
-        budget = num_drafts_allowed(view, self.num_speculative_tokens, runner.max_model_len)
+    def prefill_inputs(
+        self, runner: ModelRunner, view: StepView
+    ) -> tuple[DraftPass, torch.Tensor, torch.Tensor]:
+        # The target states of real tokens this step (rejected drafts excluded), each paired with
+        # the token one to the right: the next prompt token or the sampled token.
         prefill = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
-        # Token one to the right of each position: the next prompt token or the sampled token.
         tokens = runner.batch.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions + 1]
+        device = runner.device
         features = self.target_states(runner)[torch.from_numpy(view.valid_state_index()).to(device)]
-        out = self._run(runner, prefill, torch.from_numpy(tokens).to(device), features, DRAFT_PREFILL)
+        return prefill, torch.from_numpy(tokens).to(device), features
 
-        active = np.flatnonzero(budget > 0)
-        if active.size == 0:
-            return {}
-        last = torch.from_numpy(prefill.last_token_index()[active]).to(device)
-        hidden = out[last]
-        draft = self.head.draft_tokens(hidden)
-        drafts = [draft]
-        for i in range(1, self.num_speculative_tokens):
-            keep = budget[active] > i
-            if not keep.any():
-                break
-            mask = torch.from_numpy(keep).to(device)
-            active, hidden, draft = active[keep], hidden[mask], draft[mask]
-            dp = DraftPass.spans(
-                [view.req_ids[j] for j in active],
-                view.rows[active],
-                view.next_position[active] + i - 1,
-                np.ones(active.size, dtype=np.int64),
-            )
-            hidden = self._run(runner, dp, draft, hidden, f"draft_step_{i}")
-            draft = self.head.draft_tokens(hidden)
-            drafts.append(draft)
-        return collect_drafts(view.req_ids, budget, drafts)
+    def step_features(self, output: torch.Tensor) -> torch.Tensor:
+        return output
 
 
+@register
 class EagleDrafter(HiddenStateDrafter):
     method = "eagle"
 
+    @staticmethod
+    def make_head(
+        cfg: Any, target: nn.Module, state: dict[str, torch.Tensor] | None, aux_layers: tuple[int, ...]
+    ) -> DraftHead:
+        # EAGLE checkpoints differ in whether ``fc`` has a bias.
+        return EagleHead(cfg, target, fc_bias="fc.bias" in (state or {}))
 
+
+@register
 class Eagle3Drafter(HiddenStateDrafter):
     method = "eagle3"
 
+    @staticmethod
+    def make_head(
+        cfg: Any, target: nn.Module, state: dict[str, torch.Tensor] | None, aux_layers: tuple[int, ...]
+    ) -> DraftHead:
+        # A checkpoint's own LM head fixes its draft vocabulary (mapped to target ids by ``d2t``).
+        lm_head = (state or {}).get("lm_head.weight")
+        return Eagle3Head(cfg, target, draft_vocab_size=None if lm_head is None else int(lm_head.shape[0]))
 
+
+@register
 class MTPDrafter(HiddenStateDrafter):
     method = "mtp"
 
-
-HIDDEN_DRAFTERS: dict[str, type[HiddenStateDrafter]] = {
-    "eagle": EagleDrafter,
-    "eagle3": Eagle3Drafter,
-    "mtp": MTPDrafter,
-}
-
-
-def head_kwargs(method: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Constructor options a checkpoint implies (EAGLE's fc bias, EAGLE-3's draft vocabulary)."""
-    if method == "eagle":
-        return {"fc_bias": "fc.bias" in state}
-    if method == "eagle3" and "lm_head.weight" in state:
-        return {"draft_vocab_size": int(state["lm_head.weight"].shape[0])}
-    return {}
+    @staticmethod
+    def make_head(
+        cfg: Any, target: nn.Module, state: dict[str, torch.Tensor] | None, aux_layers: tuple[int, ...]
+    ) -> DraftHead:
+        # On a DeepSeek target the MTP layer is a DeepSeek layer (MLA + MoE) like the target's.
+        if isinstance(target, DeepseekV3ForCausalLM):
+            return DeepseekMTPHead(cfg, target)
+        return MTPHead(cfg, target)

@@ -10,6 +10,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from warmcap.drafters.base import Drafter
 from warmcap.drafters.paged import StepView, num_drafts_allowed
+from warmcap.drafters.registry import register
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
@@ -36,6 +37,7 @@ def ngram_propose(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: i
     return []
 
 
+@register
 class NgramDrafter(Drafter):
     """Prompt lookup over each request's own tokens; no model, no KV, no lookahead."""
 
@@ -47,10 +49,6 @@ class NgramDrafter(Drafter):
         assert spec is not None  # checked by Drafter.__init__
         self.min_n = spec.prompt_lookup_min
         self.max_n = spec.prompt_lookup_max
-
-    @staticmethod
-    def lookahead_for(num_speculative_tokens: int) -> int:
-        return 0
 
     def propose(
         self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
