@@ -1,4 +1,5 @@
-"""Speculative-decoding drafters: ngram, draft_model, eagle, eagle3, mtp, dflash.
+"""Speculative-decoding drafters, one class per method of ``spec_methods.METHODS`` (registered in
+``drafters/registry.py``): ngram, draft_model, eagle, eagle3, mtp, dflash.
 
 Each drafter says which KV groups it writes (``kv_groups``) and how far past the scheduled tokens
 (``lookahead``, equal to ``EngineConfig.num_lookahead_tokens``), and proposes greedy drafts after

@@ -1,15 +1,16 @@
-"""Speculative config -> drafter, loading its weights (a head directory, a draft LM, or seeded random).
+"""Speculative config -> drafter: the class registered for the method (``drafters/registry.py``),
+given the weights its entry in ``spec_methods.METHODS`` says it drafts with.
 
-``SpeculativeConfig.model`` selects the weights:
+``SpeculativeConfig.model`` selects those weights:
 
-- ``ngram``: none.
-- ``draft_model``: a preset name or HF directory of a causal LM with the target's vocabulary;
-  ``self`` (or nothing) drafts with the target checkpoint itself (a second copy).
-- ``eagle`` / ``eagle3`` / ``mtp`` / ``dflash``: a head directory (``config.json`` optional, weights
-  in safetensors) or ``random`` / nothing for deterministic random weights (seeded from the
-  engine seed), shaped after the target.
-- ``mtp`` on a DeepSeek checkpoint that carries MTP layers (``num_nextn_predict_layers`` > 0) and no
-  head directory: the checkpoint's own first MTP layer (:class:`DeepseekMTPHead`).
+- none (``ngram``): nothing to load.
+- a draft model (``draft_model``): a preset name or HF directory of a causal LM with the target's
+  vocabulary; ``self`` (or nothing) drafts with the target checkpoint itself (a second copy).
+- a head (``eagle`` / ``eagle3`` / ``mtp`` / ``dflash``): a head directory (``config.json``
+  optional, weights in safetensors) or ``random`` / nothing for deterministic random weights (seeded
+  from the engine seed), shaped after the target; the drafter class makes the head. With nothing
+  given, weights the target's checkpoint carries for the head come first (a DeepSeek checkpoint's
+  own first MTP layer, see ``DeepseekMTPHead.checkpoint_state``).
 """
 
 from __future__ import annotations

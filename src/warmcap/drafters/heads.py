@@ -222,9 +222,13 @@ class MTPHead(DraftHead):
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = HeadLayer(cfg, "layer.self_attn")
+        self.layer = self.make_layer(cfg, target)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(hidden, eps)
+
+    def make_layer(self, cfg: Any, target: nn.Module) -> nn.Module:
+        """The decoder layer between ``eh_proj`` and ``shared_head`` (a Llama-style one here)."""
+        return HeadLayer(cfg, "layer.self_attn")
 
     def step(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
@@ -237,7 +241,7 @@ class MTPHead(DraftHead):
         return self.target.compute_logits(self.shared_head.norm(hidden)).argmax(dim=-1)
 
 
-class DeepseekMTPHead(DraftHead):
+class DeepseekMTPHead(MTPHead):
     """DeepSeek-V3 multi-token prediction: ``eh_proj([enorm(embed); hnorm(h)])`` -> one DeepSeek
     decoder layer (MLA over its own latent cache, MoE) -> ``shared_head.norm`` -> target LM head.
 
@@ -247,17 +251,11 @@ class DeepseekMTPHead(DraftHead):
 
     def __init__(self, cfg: Any, target: nn.Module) -> None:
         super().__init__(cfg, target)
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         # The target's RoPE (qk_rope_head_dim wide, YaRN-scaled as configured).
         self.rotary = target.rotary
-        self.enorm = RMSNorm(hidden, eps)
-        self.hnorm = RMSNorm(hidden, eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = DeepseekDecoderLayer(
-            target.hf_config, target.hf_config.num_hidden_layers, target.mla_backend
-        )
-        self.shared_head = nn.Module()
-        self.shared_head.norm = RMSNorm(hidden, eps)
+
+    def make_layer(self, cfg: Any, target: nn.Module) -> nn.Module:
+        return DeepseekDecoderLayer(target.hf_config, target.hf_config.num_hidden_layers, target.mla_backend)
 
     @property
     def kv_layer_names(self) -> list[str]:
@@ -277,16 +275,6 @@ class DeepseekMTPHead(DraftHead):
                 block_size, dtype_bytes, head_size=cfg.index_head_dim
             )
         return specs
-
-    def step(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        x = self.eh_proj(torch.cat([self.enorm(self.embed(input_ids)), self.hnorm(hidden)], dim=-1))
-        return self.layer(x, cos, sin, ctx)
-
-    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(self.shared_head.norm(hidden)).argmax(dim=-1)
 
     def checkpoint_state(self, target_dir: Callable[[], Path]) -> dict[str, torch.Tensor] | None:
         # A DeepSeek checkpoint may carry its MTP layers after the decoder layers.

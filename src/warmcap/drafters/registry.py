@@ -2,7 +2,8 @@
 
 ``register`` refuses a class whose ``method`` is not in ``spec_methods.METHODS`` or that another
 class already claims, so the table and the classes cannot drift apart; ``drafters/factory.py``
-builds whatever class is registered for the configured method.
+imports the drafter modules (which registers their classes) and builds whatever class is
+registered for the configured method.
 """
 
 from __future__ import annotations
