@@ -59,4 +59,3 @@ def meta_model(model_path: Path, config: EngineConfig) -> tuple[Any, Any]:
     with torch.device("meta"):
         model = cls(hf_config, dtype=TORCH_DTYPES[config.model.dtype])
     return model, hf_config
-
