@@ -19,9 +19,12 @@ from torch import nn
 
 from warmcap.config import EngineConfig
 from warmcap.core.kv_spec import KVCacheGroup
+from warmcap.drafters import build_drafter
 from warmcap.errors import ConfigError
-from warmcap.kv_layout import build_kv_groups
+from warmcap.kv_layout import build_kv_groups, meta_model
 from warmcap.kv_sizing import free_memory_bytes, num_kv_blocks
+from warmcap.models.loader import load_hf_config
+from warmcap.models.presets import resolve_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +120,12 @@ def assemble_for_plan(config: EngineConfig) -> Assembly:
     """What :func:`assemble` gives ``config`` when no weight is loaded: the model and its drafter
     are built on the meta device from the checkpoint's config (a preset builds only its
     ``config.json``), on the device the engine would run on, with the memory free now."""
-    from warmcap.drafters import build_drafter
-    from warmcap.kv_layout import meta_model
-    from warmcap.models.presets import resolve_model
-
     path = Path(config.model.model).expanduser()
     if not path.is_dir():
         path = Path(resolve_model(config.model.model, config_only=True))
+    # The context limit is settled before the model is built, in the engine's order.
+    config = finish_config(config, load_hf_config(path))
     meta, hf_config = meta_model(path, config)
-    config = finish_config(config, hf_config)
     device = resolve_device(config.model.device)
     return assemble(
         config,
