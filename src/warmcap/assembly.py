@@ -62,8 +62,8 @@ def finish_config(config: EngineConfig, hf_config: Any) -> EngineConfig:
         return config
     if limit is None:
         raise ConfigError(
-            f"model {config.model.model!r} does not state max_position_embeddings in its config.json, "
-            "so its context limit is unknown: set --max-model-len (LLM(..., max_model_len=N))"
+            f"model {config.model.model!r} states no context limit (max_position_embeddings is "
+            "missing or 0 in its config.json): set --max-model-len (LLM(..., max_model_len=N))"
         )
     return config.with_max_model_len(limit)
 
