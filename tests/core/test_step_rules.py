@@ -50,7 +50,7 @@ def test_rollback_drops_exactly_the_rejected_drafts(computed: int, drafts: int, 
 
 @pytest.mark.parametrize(("drafts", "accepted"), [(3, 4), (3, -1)])
 def test_rollback_refuses_impossible_acceptance(drafts: int, accepted: int) -> None:
-    with pytest.raises(ValueError, match="accepted must be in 0..drafts"):
+    with pytest.raises(ValueError, match=r"accepted must be in 0\.\.drafts"):
         computed_after_verify(10, drafts, accepted)
 
 
