@@ -42,3 +42,10 @@ def test_memory_fraction_limits_the_pool(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_free_memory_is_positive_on_this_host() -> None:
     assert sizing.free_memory_bytes(CPU) > 0
+
+
+def test_given_free_bytes_replace_the_device_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up passes the memory left once the weights are in (measured before they load)."""
+    per_block = GROUPS[0].page_size_bytes
+    monkeypatch.setattr(sizing, "free_memory_bytes", lambda device: 1 << 40)
+    assert sizing.num_kv_blocks(_config(), GROUPS, CPU, free_bytes=8 * per_block) == 4

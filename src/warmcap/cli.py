@@ -117,14 +117,16 @@ def plan(
     max_num_batched_tokens: int = typer.Option(512, help="Token budget of one step."),
     mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
     kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16 (sets the KV bytes per block)."),
+    device: str = typer.Option(
+        "auto", help="Device whose free memory sizes the pool: auto, cpu or cuda[:N]."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema: docs/warmup.md)."),
 ) -> None:
-    """Plan warmup through the scheduler's reservation rule — no weights needed."""
+    """Plan warmup exactly as start-up will — same config, KV groups and pool — with no weights loaded."""
     import json
 
-    from warmcap.kv_layout import build_kv_groups, meta_model, model_max_len
-    from warmcap.kv_sizing import num_kv_blocks
-    from warmcap.models.presets import resolve_model
+    from warmcap.assembly import assemble_for_plan
     from warmcap.warmup.plan_view import render_plan
     from warmcap.warmup.planner import plan_warmup
 
@@ -138,31 +140,15 @@ def plan(
         max_num_batched_tokens=max_num_batched_tokens,
         mamba_cache_mode=mamba_cache_mode,
         kv_role=kv_role,
-        device="cpu",
+        dtype=dtype,
+        device=device,
     )
-    path = resolve_model(model, config_only=True)
-    meta, hf_config = meta_model(path, config)
-    limit = model_max_len(hf_config)
-    if config.scheduler.max_model_len is None:
-        config = config.with_max_model_len(limit or 4096)
-    elif limit is not None:
-        config.validate_against(model_max_len=limit)
-    from warmcap.drafters import build_drafter
-
-    groups = build_kv_groups(meta, config, build_drafter(config, meta))
-    pool = num_kv_blocks(config, groups, meta_device_for_sizing())
-    result = plan_warmup(config, groups, pool)
+    assembly = assemble_for_plan(config)
+    result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
         render_plan(result, Console())
-
-
-def meta_device_for_sizing():
-    """Planning sizes the pool as production would on this machine's default device."""
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # ---- warmup generate -----------------------------------------------------------------------------

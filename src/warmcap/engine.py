@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from warmcap.assembly import assemble, finish_config, resolve_device
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.request import Request
@@ -23,8 +24,7 @@ from warmcap.core.scheduler import Scheduler
 from warmcap.drafters import build_drafter
 from warmcap.errors import ConfigError
 from warmcap.graphs.hook import graph_capture_hook
-from warmcap.kv_layout import build_kv_groups
-from warmcap.kv_sizing import num_kv_blocks
+from warmcap.kv_sizing import free_memory_bytes
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
 from warmcap.sampling_params import SamplingParams
@@ -70,12 +70,6 @@ class _Tracked:
     metrics: RequestMetrics
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def resolve_model_path(name: str) -> Path:
     """A local HF directory as given, else a preset name resolved by ``warmcap.models.presets``."""
     path = Path(name).expanduser()
@@ -101,16 +95,11 @@ class LLMEngine:
         self.device = resolve_device(config.model.device)
         self.model_path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(self.model_path)
-        model_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
-        if model_max_len is not None:
-            config.validate_against(model_max_len=model_max_len)
-        if config.scheduler.max_model_len is None:
-            if model_max_len is None:
-                raise ConfigError(
-                    f"{self.model_path} does not state max_position_embeddings: set max_model_len"
-                )
-            config = config.with_max_model_len(model_max_len)
-        self.config = config
+        # Fails on an unknown context limit before any weight is read, as `warmup plan` does.
+        config = finish_config(config, hf_config)
+        # NOTE: measured before the weights load, as `warmup plan` measures with none loaded;
+        # assemble subtracts the weights by shape, so both get the same pool.
+        free_bytes = free_memory_bytes(self.device)
         torch.manual_seed(config.model.seed)
         self.model = load_model(
             self.model_path,
@@ -121,8 +110,12 @@ class LLMEngine:
         self.tokenizer = _try_tokenizer(load_tokenizer, self.model_path)
         self.drafter = build_drafter(config, self.model)
         t_kv = time.perf_counter()
-        self.kv_groups = build_kv_groups(self.model, config, self.drafter)
-        self.num_blocks = num_kv_blocks(config, self.kv_groups, self.device)
+        assembly = assemble(
+            config, hf_config, self.model, self.drafter, device=self.device, free_bytes=free_bytes
+        )
+        self.config = config = assembly.config
+        self.kv_groups = assembly.kv_groups
+        self.num_blocks = assembly.num_blocks
         self.kv_cache_manager = KVCacheManager(
             self.kv_groups,
             self.num_blocks,

@@ -1,7 +1,8 @@
 """KV groups of a model (and its drafter), built the same way for serving and for planning.
 
-``plan`` on a laptop needs the groups without the weights: :func:`kv_groups_from_config` builds the
-model on the meta device (no memory, no checkpoint) and asks it for its layer specs.
+``plan`` on a laptop needs the groups without the weights: :func:`meta_model` builds the model on
+the meta device (no memory, no checkpoint) so it can be asked for its layer specs; ``assembly.py``
+turns either kind of model into groups and a pool.
 """
 
 from __future__ import annotations
@@ -58,9 +59,3 @@ def meta_model(model_path: Path, config: EngineConfig) -> tuple[Any, Any]:
     with torch.device("meta"):
         model = cls(hf_config, dtype=TORCH_DTYPES[config.model.dtype])
     return model, hf_config
-
-
-def model_max_len(hf_config: Any) -> int | None:
-    """The context limit the checkpoint states, if any."""
-    value = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
-    return value or None

@@ -39,12 +39,20 @@ def blocks_for_full_batch(config: EngineConfig, groups: Sequence[KVCacheGroup]) 
     return config.scheduler.max_num_seqs * sum(per_request.values()) + 1
 
 
-def num_kv_blocks(config: EngineConfig, groups: Sequence[KVCacheGroup], device: torch.device) -> int:
-    """The pool size (block ids, null block 0 included)."""
+def num_kv_blocks(
+    config: EngineConfig,
+    groups: Sequence[KVCacheGroup],
+    device: torch.device,
+    *,
+    free_bytes: int | None = None,
+) -> int:
+    """The pool size (block ids, null block 0 included). ``free_bytes``: the memory left for the
+    KV cache once the weights are in (default: what ``device`` has free now)."""
     if config.cache.num_blocks is not None:
         return config.cache.num_blocks
     bytes_per_block = sum(g.page_size_bytes for g in groups)
-    budget = int(free_memory_bytes(device) * config.cache.memory_fraction)
+    free = free_memory_bytes(device) if free_bytes is None else free_bytes
+    budget = int(free * config.cache.memory_fraction)
     num_blocks = min(budget // bytes_per_block, blocks_for_full_batch(config, groups))
     if num_blocks < 2:
         raise CapacityError(

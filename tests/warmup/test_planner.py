@@ -203,3 +203,17 @@ def test_every_planned_request_holds_exactly_the_rule(case):
         assert so.num_reqs <= cfg.scheduler.max_num_seqs
         for r in step.requests:
             assert r.num_computed_tokens + r.num_scheduled_tokens <= cfg.max_model_len
+
+
+@pytest.mark.parametrize("spec", ["dflash:7", "eagle:8"])
+def test_consumer_warmup_plans_with_the_full_lookahead(spec: str) -> None:
+    """The seed's two deterministic cases: a P/D consumer computes its warmup requests locally, so
+    each reserves the full lookahead — the same plan a colocated instance makes."""
+    consumer = _config(spec, role="consumer")
+    plan = plan_warmup(consumer, _full(16), 256)
+    assert plan.num_lookahead_tokens == consumer.num_lookahead_tokens == 8
+    assert all(r.num_lookahead_tokens == 8 for s in plan.steps for r in s.requests)
+    # the first prefill (1 + (1 + k) tokens) plus 8 lookahead slots passes position 15: two blocks
+    assert all(len(r.blocks["full"]) == 2 for r in plan.steps[0].requests)
+    assert_plan_follows_rule(plan, consumer)
+    assert plan.to_json() == plan_warmup(_config(spec), _full(16), 256).to_json()

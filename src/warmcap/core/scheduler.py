@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from warmcap.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from warmcap.core.request import Request, RequestStatus
 from warmcap.core.scheduler_stats import RequestStepOutput, SchedulerStats, SpecDecodeCounters
+from warmcap.core.step_rules import computed_after_verify, step_lookahead
 from warmcap.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.num_spec_tokens = config.num_speculative_tokens
-        self.num_lookahead_tokens = config.num_lookahead_tokens
+        #: what every locally computed request reserves (core/step_rules.py)
+        self.num_lookahead_tokens = step_lookahead(config)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -188,8 +190,7 @@ class Scheduler:
                 if not self.chunked_prefill and num_new <= self.max_num_batched_tokens:
                     return
                 num_new = budget
-            # A consumer's loading step drafts nothing, so it reserves no lookahead.
-            lookahead = 0 if external else self.num_lookahead_tokens
+            lookahead = step_lookahead(self.config, num_external_tokens=external)
             new_ids = kv.allocate_slots(
                 req,
                 num_new,
@@ -260,7 +261,9 @@ class Scheduler:
                 )
             num_accepted = len(sampled) - 1 if sampled else 0
             if num_drafts:
-                req.num_computed_tokens -= num_drafts - num_accepted
+                req.num_computed_tokens = computed_after_verify(
+                    req.num_computed_tokens, num_drafts, num_accepted
+                )
                 self.spec_counters.record(num_drafts, num_accepted)
             if not sampled:
                 if req.num_computed_tokens >= req.num_tokens:

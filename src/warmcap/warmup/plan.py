@@ -64,13 +64,14 @@ class WarmupPlan:
         return list(seen)
 
     def to_json(self) -> dict:
-        """The stable schema of DESIGN.md ("Warmup plan")."""
+        """The stable schema of ``schemas/warmup_plan.schema.json`` (documented in docs/warmup.md)."""
         return {
             "model": self.model,
             "spec": {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens},
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "num_lookahead_tokens": self.num_lookahead_tokens,
+            "num_blocks": self.num_blocks,
             "kv_groups": [_group_json(g) for g in self.kv_groups],
             "steps": [
                 {

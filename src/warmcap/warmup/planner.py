@@ -17,6 +17,7 @@ from warmcap.core.kv_spec import CrossAttentionSpec, KVCacheGroup, MambaSpec
 from warmcap.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.reservation import block_of, reserved_blocks
+from warmcap.core.step_rules import computed_after_verify, step_lookahead
 from warmcap.errors import CapacityError
 from warmcap.sampling_params import SamplingParams
 from warmcap.warmup.plan import PlannedRequest, SkippedStep, WarmupPlan, WarmupStep
@@ -88,7 +89,7 @@ class _Simulator:
             c = req.num_computed_tokens
             if c + e.num_new_tokens > self.max_model_len:
                 raise _DoesNotFit(f"{name}: {req.request_id} would pass max_model_len={self.max_model_len}")
-            lookahead = 0 if (e.is_new and self.config.kv_role == "consumer") else self.lookahead
+            lookahead = self.lookahead  # every warmup request's (see plan_warmup)
             before = self.manager.num_held_blocks(req.request_id)
             new_ids = self.manager.allocate_slots(req, e.num_new_tokens, num_lookahead_tokens=lookahead)
             if new_ids is None:
@@ -141,8 +142,9 @@ class _Simulator:
         for e in entries:
             req = e.request
             num_acc = e.num_spec if accepted is None else accepted.get(req.request_id, e.num_spec)
-            advance = e.num_new_tokens - (e.num_spec - num_acc)
-            req.num_computed_tokens += advance
+            req.num_computed_tokens = computed_after_verify(
+                req.num_computed_tokens + e.num_new_tokens, e.num_spec, num_acc
+            )
             # The scheduler appends the accepted drafts plus one sampled token once the prompt is done.
             num_out = req.num_computed_tokens + 1 - req.num_prompt_tokens
             if num_out > req.num_output_tokens:
@@ -176,7 +178,9 @@ def plan_warmup(
     """
     if not kv_groups:
         raise CapacityError("no KV cache groups: the model declares no attention or state layers")
-    lookahead = config.num_lookahead_tokens if lookahead_override is None else lookahead_override
+    # Warmup requests are computed locally, a P/D consumer's included: none loads KV from outside,
+    # so each reserves the step rule's full lookahead (its drafter runs and writes past its tokens).
+    lookahead = step_lookahead(config) if lookahead_override is None else lookahead_override
     attempt = _Attempt(config, kv_groups, num_blocks, max_encoder_len, lookahead)
     sched = config.scheduler
     budget_batch = max(1, min(sched.max_num_seqs, sched.max_num_batched_tokens // attempt.prompt_len))

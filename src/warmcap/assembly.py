@@ -1,0 +1,137 @@
+"""Start-up assembly: a config, the model's HF config, the model and its drafter -> the finished
+config, the KV groups and the pool size. ``LLMEngine.__init__`` (``engine.py``) and ``warmup plan``
+(``cli.py``) both call :func:`assemble`, so the plan printed is the plan run.
+
+The model may be loaded or on the meta device: nothing here reads a weight's values or where it
+lives. The KV groups come from layer specs (``kv_layout.py``) and the pool from spec arithmetic
+(``kv_sizing.py``) over the memory free *before* the weights load, less the weights' bytes counted
+from their shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from warmcap.config import EngineConfig
+from warmcap.core.kv_spec import KVCacheGroup
+from warmcap.drafters import build_drafter
+from warmcap.errors import ConfigError
+from warmcap.kv_layout import build_kv_groups, meta_model
+from warmcap.kv_sizing import free_memory_bytes, num_kv_blocks
+from warmcap.models.loader import load_hf_config
+from warmcap.models.presets import resolve_model
+
+
+@dataclass(frozen=True, slots=True)
+class Assembly:
+    """What start-up builds the KV cache manager, the scheduler and the runner from."""
+
+    #: ``max_model_len`` filled from the model when the user gave none, checked against its limit
+    config: EngineConfig
+    #: the target's groups, then the drafter's (``draft.``-prefixed)
+    kv_groups: list[KVCacheGroup]
+    #: pool size in blocks, null block 0 included
+    num_blocks: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when present, else CPU; any other name as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def model_max_len(hf_config: Any) -> int | None:
+    """The context limit the checkpoint states (``max_position_embeddings``), if any."""
+    value = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    return value or None
+
+
+def finish_config(config: EngineConfig, hf_config: Any) -> EngineConfig:
+    """``config`` with ``max_model_len`` resolved: the user's, checked against the model's limit,
+    else the model's. A model that states no limit needs an explicit one."""
+    limit = model_max_len(hf_config)
+    if limit is not None:
+        config.validate_against(model_max_len=limit)
+    if config.scheduler.max_model_len is not None:
+        return config
+    if limit is None:
+        raise ConfigError(
+            f"model {config.model.model!r} states no context limit (max_position_embeddings is "
+            "missing or 0 in its config.json): set --max-model-len (LLM(..., max_model_len=N))"
+        )
+    return config.with_max_model_len(limit)
+
+
+def weight_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of every parameter and buffer of ``modules``, each tensor once (tied and shared weights,
+    e.g. a drafter head reusing the target's embedding, count once). Computed from shapes and
+    dtypes, so a model on the meta device counts what it will take once loaded."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        if module is None:
+            continue
+        for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def assemble(
+    config: EngineConfig,
+    hf_config: Any,
+    model: nn.Module,
+    drafter: Any,
+    *,
+    device: torch.device,
+    free_bytes: int,
+) -> Assembly:
+    """The finished config, the KV groups (target then drafter) and the pool size.
+
+    ``drafter`` is what ``drafters.build_drafter`` returned for ``model`` (``None`` without
+    speculation). ``free_bytes`` is the memory ``device`` had free before any weight was loaded
+    (:func:`warmcap.kv_sizing.free_memory_bytes` taken then); the weights of ``model`` and the
+    drafter are subtracted here by shape, so a meta model and a loaded one get the same pool.
+    """
+    config = finish_config(config, hf_config)
+    groups = build_kv_groups(model, config, drafter)
+    after_weights = max(0, free_bytes - weight_bytes(model, *drafter_modules(drafter)))
+    num_blocks = num_kv_blocks(config, groups, device, free_bytes=after_weights)
+    return Assembly(config=config, kv_groups=groups, num_blocks=num_blocks)
+
+
+def drafter_modules(drafter: Any) -> list[nn.Module]:
+    """The modules a drafter holds (its head or its draft LM), found among its attributes so that
+    every drafter kind is counted without naming its fields; none for ``None`` or ngram."""
+    if drafter is None:
+        return []
+    return [value for value in vars(drafter).values() if isinstance(value, nn.Module)]
+
+
+def assemble_for_plan(config: EngineConfig) -> Assembly:
+    """What :func:`assemble` gives ``config`` when no weight is loaded: the model and its drafter
+    are built on the meta device from the checkpoint's config (a preset builds only its
+    ``config.json``), on the device the engine would run on, with the memory free now."""
+    path = Path(config.model.model).expanduser()
+    if not path.is_dir():
+        path = Path(resolve_model(config.model.model, config_only=True))
+    # The context limit is settled before the model is built, in the engine's order.
+    config = finish_config(config, load_hf_config(path))
+    meta, hf_config = meta_model(path, config)
+    device = resolve_device(config.model.device)
+    return assemble(
+        config,
+        hf_config,
+        meta,
+        build_drafter(config, meta),
+        device=device,
+        free_bytes=free_memory_bytes(device),
+    )
