@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmcap.contracts import AttentionMetadata
 from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.reservation import blocks_covering
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
 from warmcap.drafters.paged import DraftPass, StepView, num_drafts_allowed, run_pass
 from warmcap.models.layers import RMSNorm
-from warmcap.runner_v2.attention.base import AttentionMetadata
 from warmcap.runner_v2.attention.torch_paged import write_kv
 
 if TYPE_CHECKING:

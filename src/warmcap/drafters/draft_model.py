@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from warmcap.config import EngineConfig
+    from warmcap.contracts import AttentionMetadata
     from warmcap.core.outputs import SchedulerOutput
-    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 

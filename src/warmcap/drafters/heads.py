@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from warmcap.contracts import ForwardContext
 from warmcap.core.kv_spec import FullAttentionSpec, IndexerSpec, KVSpec, MLASpec
 from warmcap.models.deepseek_v3 import DeepseekDecoderLayer
 from warmcap.models.layers import GatedMLP, RMSNorm
 from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
-from warmcap.runner_v2.attention.base import ForwardContext
 
 
 def _head_dim(cfg: Any) -> int:
@@ -251,9 +251,7 @@ class DeepseekMTPHead(DraftHead):
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = DeepseekDecoderLayer(
-            target.hf_config, target.hf_config.num_hidden_layers, target.mla_backend
-        )
+        self.layer = DeepseekDecoderLayer(target.hf_config, target.hf_config.num_hidden_layers)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(hidden, eps)
 

@@ -41,8 +41,8 @@ from warmcap.drafters.paged import (
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
+    from warmcap.contracts import AttentionMetadata
     from warmcap.core.outputs import SchedulerOutput
-    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
