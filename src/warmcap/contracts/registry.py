@@ -16,6 +16,8 @@ from warmcap.errors import ConfigError
 B = TypeVar("B")
 
 #: The interface a backend must implement to serve each KV spec kind (``KVSpec.kind``).
+#: NOTE: ``mamba`` has none yet: the Mamba2 scan runs in :mod:`warmcap.models.mamba2` over the
+#: :class:`~warmcap.contracts.metadata.MambaMetadata` the runner's state handler plans.
 KIND_INTERFACES: dict[str, type] = {
     "full": AttentionBackend,
     "sliding_window": AttentionBackend,
