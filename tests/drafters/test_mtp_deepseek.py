@@ -9,10 +9,12 @@ import torch
 from safetensors import safe_open
 from spec_rig import BLOCK_SIZE, TINY_VOCAB, SpecRig, force_acceptance, prompts
 
+from warmcap.contracts import AttentionMetadata, ForwardContext
 from warmcap.core.kv_spec import MLASpec
 from warmcap.core.reservation import blocks_covering
 from warmcap.drafters.heads import DeepseekMTPHead
-from warmcap.runner_v2.attention.base import AttentionMetadata, ForwardContext
+from warmcap.runner_v2.attention.context import StepContext
+from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
 MODEL = "tiny-deepseek-v3"
@@ -36,7 +38,13 @@ def _dense_context(layer_names: list[str], spec: MLASpec, n: int) -> ForwardCont
         seq_lens_cpu=seq,
     )
     caches = {name: torch.zeros(num_blocks + 1, bs, spec.head_size) for name in layer_names}
-    return ForwardContext({"mla": meta}, dict.fromkeys(layer_names, "mla"), caches, TorchPagedAttention())
+    return StepContext(
+        {"mla": meta},
+        dict.fromkeys(layer_names, "mla"),
+        caches,
+        backend_registry(TorchPagedAttention()),
+        {"mla": "mla"},
+    )
 
 
 @torch.inference_mode()

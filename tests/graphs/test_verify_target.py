@@ -19,7 +19,7 @@ from warmcap.graphs.verify import GraphCheck, verify_graphs
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:
-    from warmcap.runner_v2.attention.base import AttentionMetadata
+    from warmcap.contracts import AttentionMetadata
 
 
 def _engine(model: str, spec: str | None = None, *, mode: str = "none") -> LLMEngine:

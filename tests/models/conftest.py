@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from warmcap.contracts import PAD_SLOT_ID, AttentionMetadata, ForwardContext
 from warmcap.core.kv_spec import KVSpec, group_layers
 from warmcap.core.reservation import reserved_blocks
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID, AttentionMetadata, ForwardContext
+from warmcap.runner_v2.attention.context import StepContext
+from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
 BLOCK_SIZE = 16
@@ -45,7 +47,8 @@ class PagedHarness:
             for name, spec in self.specs.items()
         }
         self.layer_to_group = {layer: g.name for g in self.groups for layer in g.layer_names}
-        self.backend = TorchPagedAttention()
+        self.backends = backend_registry(TorchPagedAttention())
+        self.group_kinds = {g.name: g.spec.kind for g in self.groups}
         gen = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
         self.pad_rows, self.pad_tokens = pad_rows, pad_tokens
@@ -94,11 +97,12 @@ class PagedHarness:
             query_start_loc_cpu=qsl_t,
             seq_lens_cpu=seq_t,
         )
-        ctx = ForwardContext(
+        ctx = StepContext(
             attn_metadata={g.name: meta for g in self.groups},
             layer_to_group=self.layer_to_group,
             kv_caches=self.caches,
-            backend=self.backend,
+            backends=self.backends,
+            group_kinds=self.group_kinds,
             aux_hidden_state_layers=aux_layers,
         )
         with torch.no_grad():

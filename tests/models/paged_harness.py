@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
+from warmcap.contracts import AttentionMetadata
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, MambaSpec, group_layers
 from warmcap.core.reservation import reserved_blocks
-from warmcap.runner_v2.attention.base import AttentionMetadata, ForwardContext
+from warmcap.runner_v2.attention.context import StepContext
+from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 from warmcap.runner_v2.mamba_state import StatePlan, accepted_column, build_mamba_metadata, plan_state
 
@@ -54,7 +56,8 @@ class PagedHarness:
         self.free = list(range(1, num_blocks + 1))
         random.Random(seed).shuffle(self.free)
         self.max_model_len = max_model_len
-        self.backend = TorchPagedAttention()
+        self.backends = backend_registry(TorchPagedAttention())
+        self.group_kinds = {g.name: g.spec.kind for g in self.groups}
         self.requests: dict[str, Request] = {}
 
     def step(self, batch: list[tuple[str, list[int], int]]) -> torch.Tensor:
@@ -71,7 +74,7 @@ class PagedHarness:
         metas: dict[str, AttentionMetadata] = {}
         for group in self.groups:
             metas[group.name] = self._group_meta(group.name, group.spec, batch, qsl)
-        ctx = ForwardContext(metas, self.layer_to_group, self.caches, self.backend)
+        ctx = StepContext(metas, self.layer_to_group, self.caches, self.backends, self.group_kinds)
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
             logits = self.model.compute_logits(hidden)

@@ -11,6 +11,7 @@ from paged_harness import PagedHarness, greedy_decode, hf_greedy, hf_last_logits
 from warmcap.models.deepseek_v3 import DeepseekV3ForCausalLM
 from warmcap.models.loader import load_model
 from warmcap.models.presets_extra import make_tiny_deepseek_v3, make_tiny_deepseek_v32
+from warmcap.runner_v2.attention.mla import TorchMLABackend
 
 PROMPTS = {"a": [5, 17, 99, 3, 250, 41, 7, 300, 12, 8, 77, 19, 4], "b": [400, 2, 33, 71, 9, 128, 64]}
 BLOCK_SIZE = 4
@@ -59,8 +60,8 @@ def test_absorbed_decode_equals_decompressed_path(v3_dir: Path) -> None:
     model: DeepseekV3ForCausalLM = load_model(v3_dir)
     results = []
     for threshold in (0, 10**6):  # never absorbed / always absorbed
-        model.mla_backend.absorbed_max_query_len = threshold
         harness = PagedHarness(model, model.kv_layer_specs(BLOCK_SIZE), seed=3)
+        harness.backends.register("mla", TorchMLABackend(threshold))
         prefill = harness.step([("a", PROMPTS["a"], 0), ("b", PROMPTS["b"], 0)])
         decode = harness.step([("a", [11], 0), ("b", [23], 0)])
         results.append((prefill, decode))

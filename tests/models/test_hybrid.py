@@ -9,11 +9,11 @@ import pytest
 import torch
 from paged_harness import PagedHarness, greedy_decode, hf_greedy, hf_last_logits, hf_model
 
+from warmcap.contracts.mamba_layout import state_views
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.models.hybrid import BambaForCausalLM
 from warmcap.models.loader import load_model
 from warmcap.models.presets_extra import make_tiny_hybrid
-from warmcap.runner_v2.mamba_state import state_views
 
 PROMPTS = {
     "a": [5, 17, 99, 3, 250, 41, 7, 300, 12, 8, 77, 19, 4, 61, 90, 23, 150, 6, 2],

@@ -13,12 +13,13 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.func import functional_call
 
+from warmcap.contracts.metadata import MambaMetadata
 from warmcap.models.loader import load_model
 from warmcap.models.mamba2 import MAX_UNIFORM_QUERY_LEN, Mamba2Mixer
 from warmcap.models.presets import resolve_model
-from warmcap.runner_v2.attention.base import ForwardContext
+from warmcap.runner_v2.attention.context import StepContext
+from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
-from warmcap.runner_v2.mamba_state import MambaMetadata
 
 NUM_BLOCKS = 16
 SINK = NUM_BLOCKS
@@ -85,8 +86,12 @@ def random_states(mixer: Mamba2Mixer, seed: int) -> torch.Tensor:
 
 
 def run(mixer: Mamba2Mixer, meta: MambaMetadata, states: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    ctx = ForwardContext(
-        {GROUP: meta}, {mixer.layer_name: GROUP}, {mixer.layer_name: states}, TorchPagedAttention()
+    ctx = StepContext(
+        {GROUP: meta},
+        {mixer.layer_name: GROUP},
+        {mixer.layer_name: states},
+        backend_registry(TorchPagedAttention()),
+        {GROUP: "mamba"},
     )
     with torch.no_grad():
         return mixer(x, ctx)
@@ -155,11 +160,12 @@ def fake_forward(
     fake_meta = MambaMetadata(
         **{k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
     )
-    ctx = ForwardContext(
+    ctx = StepContext(
         {GROUP: fake_meta},
         {mixer.layer_name: GROUP},
         {mixer.layer_name: mode.from_tensor(states)},
-        TorchPagedAttention(),
+        backend_registry(TorchPagedAttention()),
+        {GROUP: "mamba"},
     )
     with mode, torch.no_grad():
         return functional_call(mixer, params, (mode.from_tensor(x), ctx))

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from warmcap.contracts import AttentionBackend, AttentionMetadata
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec
 from warmcap.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from warmcap.core.reservation import reserved_blocks
-from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata
 from warmcap.sampling_params import SamplingParams
 
 

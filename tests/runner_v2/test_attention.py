@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from warmcap.contracts import PAD_SLOT_ID, AttentionMetadata
 from warmcap.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from warmcap.core.reservation import reserved_blocks, skipped_blocks
 from warmcap.errors import ConfigError
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID, AttentionMetadata
 from warmcap.runner_v2.attention.selector import select_backend
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 

@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from warmcap.contracts import AttentionMetadata
+from warmcap.contracts.mamba_layout import state_views
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.core.reservation import block_of, reserved_blocks
-from warmcap.runner_v2.attention.base import AttentionMetadata
 from warmcap.runner_v2.mamba_draft_state import draft_state_plans
 from warmcap.runner_v2.mamba_state import (
     StatePlan,
@@ -19,7 +20,6 @@ from warmcap.runner_v2.mamba_state import (
     plan_state,
     prefix_column,
     probe_plan,
-    state_views,
 )
 
 

@@ -7,10 +7,13 @@ import random
 import pytest
 import torch
 
+from warmcap.contracts import AttentionMetadata, MLAWeights
 from warmcap.models.mla import MLAAttention, deinterleave
 from warmcap.models.rope import RotaryEmbedding, apply_rope
-from warmcap.runner_v2.attention.base import AttentionMetadata, ForwardContext
-from warmcap.runner_v2.attention.mla import MLAWeights, TorchMLABackend
+from warmcap.runner_v2.attention.context import StepContext
+from warmcap.runner_v2.attention.mla import TorchMLABackend
+from warmcap.runner_v2.attention.selector import backend_registry
+from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
 BS, NUM_BLOCKS, HEADS, NOPE, ROPE, RANK, VDIM = 4, 32, 4, 8, 8, 16, 12
 
@@ -167,7 +170,8 @@ def test_sparse_mla_layer_matches_plain_reference(index_topk: int) -> None:
     """Prefill of 10 tokens in two chunks through the MLA and indexer groups (different block ids)."""
     torch.manual_seed(2)
     config = _sparse_config(index_topk)
-    attn = MLAAttention(config, 0, TorchMLABackend())
+    attn = MLAAttention(config, 0)
+    backends = backend_registry(TorchPagedAttention())
     n = 10
     x = torch.randn(n, 32)
     rotary = RotaryEmbedding.from_config(config, ROPE)
@@ -186,7 +190,7 @@ def test_sparse_mla_layer_matches_plain_reference(index_topk: int) -> None:
                 "mla": make_meta([span.stop], [q], mla_blocks),
                 "indexer": make_meta([span.stop], [q], index_blocks),
             }
-            ctx = ForwardContext(metas, groups, caches, backend=None)  # type: ignore[arg-type]
+            ctx = StepContext(metas, groups, caches, backends, {"mla": "mla", "indexer": "indexer"})
             outs.append(attn(x[span], cos[span], sin[span], ctx))
         want = reference_sparse_mla(attn, x, cos, sin)
         attn.indexer.top_k = n

@@ -19,10 +19,13 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
+from warmcap.contracts import AttentionMetadata, MLAWeights
 from warmcap.models.mla import MLAAttention
 from warmcap.models.rope import RotaryEmbedding
-from warmcap.runner_v2.attention.base import AttentionMetadata, ForwardContext
-from warmcap.runner_v2.attention.mla import MLAWeights, TorchMLABackend
+from warmcap.runner_v2.attention.context import StepContext
+from warmcap.runner_v2.attention.mla import TorchMLABackend
+from warmcap.runner_v2.attention.selector import backend_registry
+from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
 HOST_SYNC_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
 INDEX_DIM = 16
@@ -56,10 +59,10 @@ def fake_meta(mode: FakeTensorMode, meta: AttentionMetadata) -> AttentionMetadat
     )
 
 
-def fake_context(mode: FakeTensorMode, ctx: ForwardContext) -> ForwardContext:
+def fake_context(mode: FakeTensorMode, ctx: StepContext) -> StepContext:
     metas = {g: fake_meta(mode, m) for g, m in ctx.attn_metadata.items()}
     caches = {n: mode.from_tensor(c) for n, c in ctx.kv_caches.items()}
-    return ForwardContext(metas, ctx.layer_to_group, caches, ctx.backend)
+    return replace(ctx, attn_metadata=metas, kv_caches=caches)
 
 
 def run_fake_module(module: torch.nn.Module, *inputs: Any) -> Any:
@@ -119,11 +122,11 @@ def positions_of(meta: AttentionMetadata) -> torch.Tensor:
 
 def sparse_layer_inputs(
     meta_kind: str,
-) -> tuple[MLAAttention, torch.Tensor, torch.Tensor, torch.Tensor, ForwardContext]:
+) -> tuple[MLAAttention, torch.Tensor, torch.Tensor, torch.Tensor, StepContext]:
     """The V3.2 attention layer (MLA + indexer) and one step's inputs over warm caches."""
     torch.manual_seed(9)
     config = sparse_config()
-    attn = MLAAttention(config, 0, TorchMLABackend())
+    attn = MLAAttention(config, 0)
     meta = METAS[meta_kind]()
     cos, sin = RotaryEmbedding.from_config(config, ROPE).cos_sin(positions_of(meta), torch.float32)
     caches = {
@@ -131,7 +134,10 @@ def sparse_layer_inputs(
         attn.indexer.layer_name: torch.randn(NUM_BLOCKS + 1, BS, INDEX_DIM),
     }
     groups = {attn.layer_name: "mla", attn.indexer.layer_name: "indexer"}
-    ctx = ForwardContext({"mla": meta, "indexer": meta}, groups, caches, backend=None)  # type: ignore[arg-type]
+    backends = backend_registry(TorchPagedAttention())
+    ctx = StepContext(
+        {"mla": meta, "indexer": meta}, groups, caches, backends, {"mla": "mla", "indexer": "indexer"}
+    )
     return attn, torch.randn(meta.num_tokens, 32), cos, sin, ctx
 
 
@@ -183,7 +189,7 @@ def test_sparse_mla_layer_is_graph_safe_and_ignores_host_copies(meta_kind: str) 
     for metas in (ctx.attn_metadata, {g: with_stale_host_copies(m) for g, m in ctx.attn_metadata.items()}):
         caches = {n: c.clone() for n, c in ctx.kv_caches.items()}
         with torch.no_grad():
-            outs.append(attn(x, cos, sin, ForwardContext(metas, ctx.layer_to_group, caches, None)))  # type: ignore[arg-type]
+            outs.append(attn(x, cos, sin, replace(ctx, attn_metadata=metas, kv_caches=caches)))
     assert torch.equal(outs[0], outs[1])
 
 

@@ -7,8 +7,8 @@ import torch
 from runner_fakes import LoopPagedAttention, MiniScheduler, TinyAttnModel
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from warmcap.contracts import PAD_SLOT_ID
 from warmcap.core.kv_spec import group_layers
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID
 from warmcap.runner_v2.model_runner import ModelRunner
 from warmcap.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID
+from warmcap.contracts import PAD_SLOT_ID
 from warmcap.runner_v2.slot_mapping import compute_slot_mapping
 from warmcap.runner_v2.triton_slot_mapping import triton_slot_mapping
 

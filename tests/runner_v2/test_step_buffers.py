@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from warmcap.contracts import PAD_SLOT_ID
 from warmcap.core.outputs import NewRequestData, SchedulerOutput
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID
 from warmcap.runner_v2.input_batch import InputBatch
 from warmcap.runner_v2.step_buffers import StepBuffers
 from warmcap.sampling_params import SamplingParams

@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     import torch
 
     from warmcap.config import EngineConfig
+    from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup, KVSpec
     from warmcap.core.outputs import SchedulerOutput
-    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 DRAFT_GROUP_PREFIX = "draft."

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmcap.contracts import AttentionMetadata
 from warmcap.core.reservation import blocks_covering
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, DraftGraphShape
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
@@ -24,7 +25,6 @@ from warmcap.drafters.hidden import HeadDrafter
 from warmcap.drafters.paged import DraftPass, StepView, num_drafts_allowed, run_pass
 from warmcap.drafters.registry import register
 from warmcap.models.layers import RMSNorm
-from warmcap.runner_v2.attention.base import AttentionMetadata
 from warmcap.runner_v2.attention.torch_paged import write_kv
 
 if TYPE_CHECKING:

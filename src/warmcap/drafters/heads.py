@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from warmcap.contracts import ForwardContext
 from warmcap.core.kv_spec import FullAttentionSpec, IndexerSpec, KVSpec, MLASpec
 from warmcap.models.deepseek_v3 import DeepseekDecoderLayer, mtp_layer_state, num_mtp_layers
 from warmcap.models.layers import GatedMLP, RMSNorm
 from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
-from warmcap.runner_v2.attention.base import ForwardContext
 
 
 def _head_dim(cfg: Any) -> int:
@@ -255,7 +255,7 @@ class DeepseekMTPHead(MTPHead):
         self.rotary = target.rotary
 
     def make_layer(self, cfg: Any, target: nn.Module) -> nn.Module:
-        return DeepseekDecoderLayer(target.hf_config, target.hf_config.num_hidden_layers, target.mla_backend)
+        return DeepseekDecoderLayer(target.hf_config, target.hf_config.num_hidden_layers)
 
     @property
     def kv_layer_names(self) -> list[str]:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from warmcap.config import EngineConfig
-    from warmcap.runner_v2.attention.base import AttentionMetadata
+    from warmcap.contracts import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 

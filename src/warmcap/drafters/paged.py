@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from warmcap.contracts import AttentionMetadata, ForwardContext
 from warmcap.core.kv_spec import MambaSpec
-from warmcap.runner_v2.attention.base import AttentionMetadata, ForwardContext
+from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.kv_writes import KVWriteRecord
 from warmcap.runner_v2.mamba_draft_state import draft_state_metadata
 from warmcap.runner_v2.mamba_state import state_write_slots
@@ -227,11 +228,12 @@ def draft_context(
     """A forward context in which the drafter module's layer ``name`` uses the runner's cache of
     ``layer_names[name]`` (the ``draft.``-prefixed layer of a drafter group)."""
     group_of = {layer: g.name for g in groups for layer in g.layer_names}
-    return ForwardContext(
+    return StepContext(
         attn_metadata=metas,
         layer_to_group={name: group_of[full] for name, full in layer_names.items()},
         kv_caches={name: runner.kv_caches.tensors[full] for name, full in layer_names.items()},
-        backend=runner.attn_backend,
+        backends=runner.backends,
+        group_kinds={g.name: g.spec.kind for g in groups},
     )
 
 

@@ -39,7 +39,7 @@ from warmcap.graphs.planning import GraphPlan, GraphSpec, plan_draft_graphs, pla
 from warmcap.graphs.static_inputs import DraftStatics, empty_step, graph_metadata, load_padded
 
 if TYPE_CHECKING:
-    from warmcap.runner_v2.attention.base import AttentionMetadata
+    from warmcap.contracts import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 GRAPH_BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
@@ -138,7 +138,7 @@ class GraphCapturer:
         static entries in place (plain entries become static ones: keep the returned dict)."""
         runner = self.runner
         if not spec.is_draft:
-            return runner.mamba_states.metadata(metas, static=True)
+            return runner.state_metadata(metas, static=True)
         return runner.drafter.state_metadata(runner, metas, static=True)
 
     def eager(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> torch.Tensor:

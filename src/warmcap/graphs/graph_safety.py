@@ -68,8 +68,8 @@ from warmcap.runner_v2.mamba_state import MambaMetadata
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from warmcap.contracts import AttentionMetadata
     from warmcap.graphs.capture import CapturedGraph, GraphCapturer
-    from warmcap.runner_v2.attention.base import AttentionMetadata
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]

@@ -20,10 +20,10 @@ from warmcap.runner_v2.input_batch import StepInputs
 from warmcap.runner_v2.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
+    from warmcap.contracts import AttentionMetadata
     from warmcap.drafters.base import Drafter
     from warmcap.drafters.paged import DraftPass
     from warmcap.graphs.planning import GraphSpec
-    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 

@@ -43,11 +43,11 @@ from warmcap.runner_v2.kv_cache import KV_LAYOUTS
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:
+    from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_cache_manager import KVCacheManager
     from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.graphs.capture import CapturedGraph, GraphCapturer
     from warmcap.graphs.planning import GraphSpec
-    from warmcap.runner_v2.attention.base import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 VERIFY_REQ_PREFIX = "graph-verify-"
@@ -295,7 +295,7 @@ def _layer_written(group: KVCacheGroup, meta: AttentionMetadata, cache: torch.Te
         if not isinstance(meta, MambaMetadata) or meta.write_blocks is None:
             raise TypeError(
                 f"group {group.name} keeps Mamba state but the pass's metadata names no state blocks: "
-                "its owner (runner.mamba_states, the drafter's state_metadata) must plan them"
+                "its owner (runner.state_metadata, the drafter's state_metadata) must plan them"
             )
         blocks = meta.write_blocks[:t].to(torch.int64)
         sink = cache.shape[0] - 1

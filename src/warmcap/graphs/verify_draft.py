@@ -20,9 +20,9 @@ from warmcap.drafters.paged import DraftPass
 from warmcap.graphs.verify import Passes, context_chunks
 
 if TYPE_CHECKING:
+    from warmcap.contracts import AttentionMetadata
     from warmcap.graphs.capture import CapturedGraph, GraphCapturer
     from warmcap.graphs.verify import Layout
-    from warmcap.runner_v2.attention.base import AttentionMetadata
 
 
 def draft_passes(

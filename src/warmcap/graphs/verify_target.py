@@ -93,7 +93,7 @@ def target_passes(
     t, n = step.num_tokens, spec.num_tokens
     buffers.copy_from(step)
     # The state columns the pass itself would plan, made here so the blocks it writes are known.
-    metas = runner.mamba_states.metadata(buffers.attn_metadata(num_columns=num_blocks))
+    metas = runner.state_metadata(buffers.attn_metadata(num_columns=num_blocks))
     last = torch.as_tensor(step.query_start_loc[1:] - 1, dtype=torch.int64, device=runner.device)
 
     def reference() -> list[torch.Tensor]:

@@ -17,8 +17,8 @@ from torch import nn
 from warmcap.models.layers import RMSNorm
 
 if TYPE_CHECKING:
+    from warmcap.contracts.forward_context import ForwardContext
     from warmcap.models.rope import RotaryEmbedding
-    from warmcap.runner_v2.attention.base import ForwardContext
 
 
 class PreNormDecoderLayer(nn.Module):

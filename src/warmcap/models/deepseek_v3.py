@@ -26,7 +26,6 @@ from warmcap.models.layers import GatedMLP
 from warmcap.models.mla import MLAAttention
 from warmcap.models.moe import DeepseekMoE, stacked_expert_target
 from warmcap.models.rope import RotaryEmbedding
-from warmcap.runner_v2.attention.mla import TorchMLABackend
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -42,9 +41,9 @@ def is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, hf_config: Any, layer_idx: int, backend: TorchMLABackend) -> None:
+    def __init__(self, hf_config: Any, layer_idx: int) -> None:
         hidden = hf_config.hidden_size
-        attn = MLAAttention(hf_config, layer_idx, backend)
+        attn = MLAAttention(hf_config, layer_idx)
         mlp: nn.Module
         if is_moe_layer(hf_config, layer_idx):
             mlp = DeepseekMoE(hf_config)
@@ -54,30 +53,19 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
 
 
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
-    """DeepSeek-V3 causal LM whose MLA layers run through the paged latent cache.
+    """DeepSeek-V3 causal LM whose MLA layers run through the paged latent cache, with the MLA
+    (and indexer) backends the forward context gives for their KV kinds."""
 
-    ``mla_backend`` is shared by every layer; swap it (e.g. a GPU kernel) by assigning
-    ``model.mla_backend.<attr>`` or passing ``mla_backend=`` at construction.
-    """
-
-    def __init__(
-        self,
-        hf_config: Any,
-        *,
-        dtype: torch.dtype = torch.float32,
-        mla_backend: TorchMLABackend | None = None,
-    ) -> None:
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype = torch.float32) -> None:
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         if kv_heads != hf_config.num_attention_heads:
             raise ModelLoadError(
                 f"MLA needs num_key_value_heads == num_attention_heads; got {hf_config.num_key_value_heads} "
                 f"and {hf_config.num_attention_heads}: fix config.json"
             )
-        backend = mla_backend or TorchMLABackend()
-        layers = (DeepseekDecoderLayer(hf_config, i, backend) for i in range(hf_config.num_hidden_layers))
+        layers = (DeepseekDecoderLayer(hf_config, i) for i in range(hf_config.num_hidden_layers))
         rotary = RotaryEmbedding.from_config(hf_config, hf_config.qk_rope_head_dim)
         super().__init__(hf_config, DecoderModel(hf_config, layers), rotary, dtype=dtype)
-        self.mla_backend = backend
         for module in self.modules():
             if isinstance(module, DeepseekMoE):
                 # Routing stays in float32 whatever the activation dtype (ties flip otherwise).

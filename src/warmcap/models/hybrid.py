@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from warmcap.contracts.forward_context import ForwardContext
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, MambaSpec
 from warmcap.errors import ModelLoadError
 from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
@@ -21,7 +22,6 @@ from warmcap.models.layers import GatedMLP
 from warmcap.models.llama import ArchTraits, LlamaAttention, LlamaForCausalLM
 from warmcap.models.mamba2 import Mamba2Mixer
 from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
-from warmcap.runner_v2.attention.base import ForwardContext
 
 
 def rotary_dim_of(hf_config: Any, head_dim: int) -> int:
@@ -89,7 +89,7 @@ class BambaDecoderLayer(PreNormDecoderLayer):
 
 class BambaForCausalLM(DecoderForCausalLM):
     """Bamba hybrid causal LM: attention through ``ctx.attention``, Mamba2 state through its group's
-    :class:`~warmcap.runner_v2.mamba_state.MambaMetadata`."""
+    :class:`~warmcap.contracts.metadata.MambaMetadata`."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype = torch.float32) -> None:
         attention = set(hf_config.attn_layer_indices or ())
@@ -110,7 +110,7 @@ class BambaForCausalLM(DecoderForCausalLM):
         ``num_speculative_blocks`` is the number of draft tokens k (1 + k state slots per request).
         The Mamba block size is ``block_size`` in cache modes ``all``/``align`` (states are kept per
         block); in mode ``none`` it is ``max_model_len`` when given, so one block spans the whole
-        context and a request holds ``1 + k`` state blocks (see ``runner_v2.mamba_state``).
+        context and a request holds ``1 + k`` state blocks (the runner's Mamba state handler plans the columns).
         """
         mamba_block_size = block_size
         if mamba_cache_mode == "none" and max_model_len is not None:

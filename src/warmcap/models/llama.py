@@ -14,12 +14,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from warmcap.contracts.forward_context import ForwardContext
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from warmcap.errors import ModelLoadError
 from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from warmcap.models.layers import GatedMLP, RMSNorm
 from warmcap.models.rope import RotaryEmbedding, apply_rope
-from warmcap.runner_v2.attention.base import ForwardContext
 
 #: checkpoint entries that carry no weights of ours (recomputed buffers)
 IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)

@@ -2,8 +2,9 @@
 
 Per row of the step: the conv window and SSM state are read from ``read_blocks`` (or start at zero),
 the row's tokens run through the causal depthwise conv and the SSD recurrence, and the states
-reached after the tokens named in ``write_blocks`` are stored there (see
-:mod:`warmcap.runner_v2.mamba_state`). Every row reads its state before any row's state is stored.
+reached after the tokens named in ``write_blocks`` are stored there (the runner's Mamba state
+handler plans both into :class:`~warmcap.contracts.metadata.MambaMetadata`). Every row reads its
+state before any row's state is stored.
 
 Two paths compute the same thing:
 
@@ -27,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmcap.contracts.forward_context import ForwardContext
+from warmcap.contracts.mamba_layout import state_views
+from warmcap.contracts.metadata import MambaMetadata
 from warmcap.models.layers import activation
-from warmcap.runner_v2.attention.base import ForwardContext
-from warmcap.runner_v2.mamba_state import MambaMetadata, state_views
 
 #: Largest query length the uniform (graph-safe) path takes; longer rows use the chunked scan,
 #: whose cost grows with the span instead of one recurrence step per token.
@@ -142,7 +144,7 @@ class Mamba2Mixer(nn.Module):
         return (self.conv_dim, self.d_conv - 1), (self.num_heads, self.head_dim, self.d_state)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        meta = ctx.attn_metadata[ctx.layer_to_group[self.layer_name]]
+        meta = ctx.metadata(self.layer_name)
         if not isinstance(meta, MambaMetadata) or meta.read_blocks is None or meta.write_blocks is None:
             raise TypeError(f"{self.layer_name} needs MambaMetadata with read/write blocks for its group")
         blocks = (meta.read_blocks, meta.write_blocks)

@@ -1,8 +1,9 @@
 """DeepSeek multi-head latent attention (MLA) layer over the paged latent cache.
 
 The layer computes queries and the per-token latent (``c_kv`` normed, ``k_pe`` rotated), then calls
-the MLA backend with its own cache (``ctx.kv_caches[layer_name]``) and its KV group's metadata: MLA
-does not fit ``ForwardContext.attention``'s (q, k, v) signature. When the config declares a
+the MLA backend the runner registered for its KV kind (``ctx.backend(layer_name, MLABackend)``) with
+its own cache and its KV group's metadata: MLA does not fit ``ForwardContext.attention``'s (q, k, v)
+signature. When the config declares a
 lightning indexer (DeepSeek-V3.2), the indexer picks the context positions each query may see.
 """
 
@@ -14,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from warmcap.contracts.backends import MLABackend, MLAWeights
+from warmcap.contracts.forward_context import ForwardContext
 from warmcap.errors import ModelLoadError
 from warmcap.models.layers import RMSNorm
 from warmcap.models.rope import apply_rope, rope_parameters
 from warmcap.models.sparse_indexer import LightningIndexer
-from warmcap.runner_v2.attention.base import ForwardContext
-from warmcap.runner_v2.attention.mla import MLAWeights, TorchMLABackend
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -43,10 +44,9 @@ class MLAAttention(nn.Module):
     """HF ``DeepseekV3Attention`` weights (``q_a_proj``/``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``,
     ``kv_b_proj``, ``o_proj``) over the paged latent cache; optional lightning indexer."""
 
-    def __init__(self, hf_config: Any, layer_idx: int, backend: TorchMLABackend) -> None:
+    def __init__(self, hf_config: Any, layer_idx: int) -> None:
         super().__init__()
         self.layer_name = f"model.layers.{layer_idx}.self_attn"
-        self.backend = backend
         self.num_heads = hf_config.num_attention_heads
         self.nope_dim = hf_config.qk_nope_head_dim
         self.rope_dim = hf_config.qk_rope_head_dim
@@ -100,14 +100,13 @@ class MLAAttention(nn.Module):
         allowed = None
         if self.indexer is not None and q_resid is not None:
             allowed = self.indexer(x, q_resid, cos, sin, ctx)
-        meta = ctx.attn_metadata[ctx.layer_to_group[self.layer_name]]
         weights = MLAWeights.from_kv_b_proj(self.kv_b_proj.weight, self.num_heads, self.nope_dim)
-        out = self.backend.forward(
+        out = ctx.backend(self.layer_name, MLABackend).forward(
             q_nope,
             q_pe,
             latent,
             ctx.kv_caches[self.layer_name],
-            meta,
+            ctx.metadata(self.layer_name),
             weights,
             scale=self.scale,
             allowed=allowed,

@@ -6,8 +6,8 @@ A query's score for context token s is ``sum_h w_h * relu(q_h . k_s) * index_hea
 ``w = weights_proj(x) * index_n_heads ** -0.5``; the ``index_topk`` best causal positions are kept.
 RoPE covers the first ``qk_rope_head_dim`` dims of the queries and keys, rotate-half style.
 
-Graph-safe: shapes depend only on host metadata (``num_tokens``, ``max_seq_len``, ``index_topk``),
-so the selection is a fixed-size mask, never a gathered index list.
+The layer computes queries, keys and head weights; the indexer backend the runner registered for
+the ``indexer`` KV kind stores the keys and makes the selection (a fixed-size mask, graph-safe).
 """
 
 from __future__ import annotations
@@ -17,23 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from warmcap.contracts.backends import IndexerBackend
+from warmcap.contracts.forward_context import ForwardContext
 from warmcap.models.rope import apply_rope
-from warmcap.runner_v2.attention.base import ForwardContext
-from warmcap.runner_v2.attention.mla import gather_context, query_layout, visible_mask, write_slots
-
-
-def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [t, H, D], keys [t, S, D] (each query's context), weights [t, H] -> scores [t, S] float32."""
-    per_head = torch.relu(torch.einsum("thd,tsd->ths", q.float(), keys.float()) * scale)
-    return torch.einsum("th,ths->ts", weights.float(), per_head)
-
-
-def select_topk(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[t, S] scores and visibility -> [t, S] bool: the ``top_k`` best visible positions per row."""
-    masked = scores.masked_fill(~visible, float("-inf"))
-    k = min(top_k, masked.shape[-1])
-    chosen = torch.zeros_like(visible).scatter_(1, masked.topk(k, dim=-1).indices, True)
-    return chosen & visible
 
 
 class LightningIndexer(nn.Module):
@@ -71,11 +57,12 @@ class LightningIndexer(nn.Module):
         q = self._rope(self.wq_b(q_resid).view(t, self.num_heads, self.head_dim), cos, sin)
         k = self._rope(self.k_norm(self.wk(x))[:, None, :], cos, sin)[:, 0]
         weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        meta = ctx.attn_metadata[ctx.layer_to_group[self.layer_name]]
-        cache = ctx.kv_caches[self.layer_name]
-        write_slots(cache, k, meta.slot_mapping)
-        keys, valid = gather_context(cache, meta)
-        rows, positions = query_layout(meta)
-        visible = visible_mask(rows, positions, valid, None)
-        scores = index_scores(q, keys[rows], weights, self.head_dim**-0.5)
-        return select_topk(scores, visible, self.top_k)
+        return ctx.backend(self.layer_name, IndexerBackend).select(
+            q,
+            k,
+            weights,
+            ctx.kv_caches[self.layer_name],
+            ctx.metadata(self.layer_name),
+            scale=self.head_dim**-0.5,
+            top_k=self.top_k,
+        )

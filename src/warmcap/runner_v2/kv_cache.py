@@ -27,7 +27,7 @@ class KVLayout:
 
 def _attention_shape(spec: KVSpec, num_blocks: int) -> tuple[int, ...]:
     assert isinstance(spec, FullAttentionSpec)
-    # num_blocks + 1: the last block is the sink that PAD slots write to (see attention/base.py).
+    # num_blocks + 1: the last block is the sink that PAD slots write to (see contracts/metadata.py).
     return (2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_size)
 
 
@@ -83,6 +83,8 @@ class KVCaches:
         self.num_blocks = num_blocks
         self.tensors: dict[str, torch.Tensor] = {}
         self.layer_to_group: dict[str, str] = {}
+        # Group -> spec kind: which registered backend serves the group's layers.
+        self.group_kinds: dict[str, str] = {g.name: g.spec.kind for g in self.groups}
         self._block_dims: dict[str, int] = {}
         for group in self.groups:
             layout = _layout(group.spec)

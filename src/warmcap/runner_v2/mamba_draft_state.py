@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from warmcap.contracts.metadata import MambaMetadata
 from warmcap.runner_v2.mamba_state import (
-    MambaMetadata,
     StatePlan,
     anchor_column,
     build_mamba_metadata,
@@ -23,8 +23,8 @@ from warmcap.runner_v2.mamba_state import (
 if TYPE_CHECKING:
     import numpy as np
 
+    from warmcap.contracts.metadata import AttentionMetadata
     from warmcap.core.kv_spec import MambaSpec
-    from warmcap.runner_v2.attention.base import AttentionMetadata
 
 
 def draft_state_plans(

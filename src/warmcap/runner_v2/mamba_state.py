@@ -1,10 +1,11 @@
 """Where a request's Mamba state lives in its Mamba group's block table, per cache mode.
 
 A Mamba layer keeps one whole state (conv window + SSM state) per block id; its tensor is
-``[num_blocks + 1, conv_elems + ssm_elems]`` (last row: the PAD sink), split by :func:`state_views`.
-A step reads the request's live state from one column and writes the state reached after chosen
-tokens into other columns. With ``n = c + s - d`` (computed + scheduled tokens, minus the ``d``
-draft tokens of a verify step) the columns are:
+``[num_blocks + 1, conv_elems + ssm_elems]`` (last row: the PAD sink), split by
+:func:`warmcap.contracts.mamba_layout.state_views`. A step reads the request's live state from one
+column and writes the state reached after chosen tokens into other columns; the blocks of both reach
+the model as :class:`~warmcap.contracts.metadata.MambaMetadata`. With ``n = c + s - d`` (computed +
+scheduled tokens, minus the ``d`` draft tokens of a verify step) the columns are:
 
 - ``none``: states live in columns ``0 .. k`` (vLLM sizes this group's block to ``max_model_len``,
   so a request holds ``1 + k`` blocks). A step writes the state after its last committed token
@@ -29,34 +30,17 @@ is built fresh.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from math import prod
 
 import torch
 
-from warmcap.core.kv_spec import MambaSpec
+from warmcap.contracts.metadata import AttentionMetadata, MambaMetadata
+from warmcap.core.kv_spec import KVCacheGroup, MambaSpec
 from warmcap.core.reservation import block_of
-from warmcap.runner_v2.attention.base import AttentionMetadata
 
 NO_BLOCK = -1
-
-
-@dataclass(slots=True)
-class MambaMetadata(AttentionMetadata):
-    """Attention metadata of a Mamba group plus where each row's state is read and written.
-
-    - ``read_blocks`` int64 [R]: the block holding the state a row starts from; -1: zero state
-      (a new request, or a padded row).
-    - ``write_blocks`` int64 [T]: the block receiving the state reached after token t; -1: none.
-    - ``static``: the metadata of a graph's static buffers: every pass refills ``read_blocks`` and
-      ``write_blocks`` in place (same tensors) for the step loaded there.
-    """
-
-    read_blocks: torch.Tensor | None = None
-    write_blocks: torch.Tensor | None = None
-    static: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,16 +178,6 @@ def mamba_metadata(
     return meta
 
 
-def state_views(state: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Split a layer's ``[num_blocks + 1, total]`` state tensor into ``[num_blocks + 1, *shape]`` views."""
-    views, offset = [], 0
-    for shape in shapes:
-        size = prod(shape)
-        views.append(state[:, offset : offset + size].view(state.shape[0], *shape))
-        offset += size
-    return views
-
-
 def probe_plan(spec: MambaSpec, num_computed_tokens: int, num_scheduled_tokens: int) -> StatePlan:
     """The plan of a row no tracked request owns (graph verification builds such rows).
 
@@ -262,7 +236,8 @@ def row_spans(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
 
 class MambaStates:
     """The live state column of every running request in each target Mamba group, and the step
-    metadata that reads and writes it (see the module docstring for the column rule).
+    metadata that reads and writes it (see the module docstring for the column rule): the runner's
+    :class:`~warmcap.contracts.state_handler.StateHandler` for Mamba layers.
 
     Rows are matched to requests through their first block in the group (Mamba blocks are never
     shared), so any pass over the runner's buffers — eager, graph replay, graph verification —
@@ -277,6 +252,17 @@ class MambaStates:
         self._drafts: dict[str, int] = {}  # req_id -> drafts verified in the current step
         self._owner: dict[str, dict[int, str]] = {g: {} for g in specs}  # group -> first block -> req_id
 
+    @classmethod
+    def for_groups(cls, groups: Iterable[KVCacheGroup]) -> MambaStates | None:
+        """The handler of the target's Mamba groups among ``groups``; None when there are none
+        (drafters track their own groups' columns)."""
+        specs = {g.name: g.spec for g in groups if isinstance(g.spec, MambaSpec) and not g.is_drafter}
+        return cls(specs) if specs else None
+
+    def handles(self, group: str) -> bool:
+        """Whether ``group`` is one of the tracked Mamba groups."""
+        return group in self.specs
+
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop finished or preempted requests (a resumed request recomputes from zero)."""
         for req_id in req_ids:
@@ -288,7 +274,7 @@ class MambaStates:
                 del owners[block]
 
     def begin_step(
-        self, req_ids: Sequence[str], block_tables: dict[str, torch.Tensor], num_drafts: Sequence[int]
+        self, req_ids: Sequence[str], block_tables: Mapping[str, torch.Tensor], num_drafts: Sequence[int]
     ) -> None:
         """Register the step's requests (step order): their first blocks and draft counts."""
         for group, owners in self._owner.items():

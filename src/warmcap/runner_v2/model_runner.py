@@ -13,10 +13,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from warmcap.core.kv_spec import KVCacheGroup, MambaSpec
+from warmcap.contracts.backends import AttentionBackend
+from warmcap.contracts.metadata import AttentionMetadata
+from warmcap.contracts.state_handler import StateHandler
+from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.reservation import max_blocks_per_request
-from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from warmcap.runner_v2.attention.context import StepContext
+from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
 from warmcap.runner_v2.kv_writes import KVWriteLog, KVWriteRecord
@@ -54,6 +58,9 @@ class ModelRunner:
     - ``drafter``: called after sampling, returns next-step proposals; it may leave their
       probabilities in ``draft_probs`` for probabilistic verification
     - ``record_kv_writes`` / ``kv_write_log``: every slot mapping of every pass, for the audit
+    - ``backends``: the backend of each KV kind (``attn_backend`` serves full and sliding layers);
+      model layers get theirs through the forward context
+    - ``state_handlers``: per-step state of some KV groups (Mamba), called at fixed points of a step
     - ``logits_hook``: sees the sampling logits of each step
     """
 
@@ -73,6 +80,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.attn_backend = attn_backend
+        self.backends = backend_registry(attn_backend)
         self.dtype = TORCH_DTYPES[config.model.dtype]
         sched = config.scheduler
         k = config.num_speculative_tokens
@@ -100,10 +108,8 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = KVCaches(self.kv_groups, num_blocks, dtype=self.dtype, device=self.device)
-        # Live state column of each request in the target's Mamba groups (drafters track their own).
-        self.mamba_states = MambaStates(
-            {g.name: g.spec for g in self.kv_groups if isinstance(g.spec, MambaSpec) and not g.is_drafter}
-        )
+        mamba = MambaStates.for_groups(self.kv_groups)
+        self.state_handlers: list[StateHandler] = [] if mamba is None else [mamba]
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
@@ -124,18 +130,27 @@ class ModelRunner:
         # Captured graphs (``warmcap.graphs.graph_runner.GraphRunner``), installed by graph start-up.
         self.graph_runner: Any = None
 
+    @property
+    def mamba_states(self) -> MambaStates | None:
+        """The state handler of the target's Mamba groups; None for a model without Mamba layers."""
+        return next((h for h in self.state_handlers if isinstance(h, MambaStates)), None)
+
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return what each request produced."""
         self.batch.update(sched_out)
-        self.mamba_states.forget(sched_out.finished_req_ids | sched_out.preempted_req_ids)
+        gone = sched_out.finished_req_ids | sched_out.preempted_req_ids
+        for handler in self.state_handlers:
+            handler.forget(gone)
         self.num_steps += 1
         if sched_out.is_empty:
             return ModelRunnerOutput()
         step = self.batch.prepare_inputs(sched_out)
-        self.mamba_states.begin_step(step.req_ids, step.block_tables, [len(d) for d in step.draft_token_ids])
+        num_drafts = [len(d) for d in step.draft_token_ids]
+        for handler in self.state_handlers:
+            handler.begin_step(step.req_ids, step.block_tables, num_drafts)
         # A captured graph that fits replays the step (and logs it); otherwise it runs eagerly.
         hidden = self.graph_runner.forward(step) if self.graph_runner is not None else None
         if hidden is None:
@@ -149,7 +164,9 @@ class ModelRunner:
         self.last_positions = self.buffers.positions[: step.num_tokens]
 
         sampled = self._sample(hidden, step)
-        self.mamba_states.finish_step(step.req_ids, step.seq_lens.tolist(), sampled)
+        seq_lens = step.seq_lens.tolist()
+        for handler in self.state_handlers:
+            handler.finish_step(step.req_ids, seq_lens, sampled)
         for req_id, tokens in zip(step.req_ids, sampled, strict=True):
             self.batch.append_tokens(req_id, tokens)
         drafts = self.drafter.propose(self, sched_out, sampled) if self.drafter is not None else {}
@@ -165,12 +182,12 @@ class ModelRunner:
     def forward_batch(self, num_tokens: int, attn_metadata: dict[str, AttentionMetadata]) -> torch.Tensor:
         """Run the model eagerly on the first ``num_tokens`` tokens of the static buffers: the seam
         graph capture and replay wrap. Returns hidden states ``[num_tokens, H]``."""
-        attn_metadata = self.mamba_states.metadata(attn_metadata)
-        ctx = ForwardContext(
-            attn_metadata=attn_metadata,
+        ctx = StepContext(
+            attn_metadata=self.state_metadata(attn_metadata),
             layer_to_group=self.kv_caches.layer_to_group,
             kv_caches=self.kv_caches.tensors,
-            backend=self.attn_backend,
+            backends=self.backends,
+            group_kinds=self.kv_caches.group_kinds,
             aux_hidden_state_layers=self.aux_hidden_state_layers,
         )
         hidden = self.model.forward(
@@ -179,6 +196,15 @@ class ModelRunner:
         self.last_aux_hidden_states = ctx.aux_hidden_states
         return hidden
 
+    def state_metadata(
+        self, metas: dict[str, AttentionMetadata], *, static: bool = False
+    ) -> dict[str, AttentionMetadata]:
+        """``metas`` extended by every state handler for the pass loaded in the buffers now.
+        ``static``: ``metas`` belong to a graph; keep the returned dict and pass it back."""
+        for handler in self.state_handlers:
+            metas = handler.metadata(metas, static=static)
+        return metas
+
     def record_pass(self, phase: str, req_ids: list[str], metas: dict[str, AttentionMetadata]) -> None:
         """Append the slot mappings of a pass over the loaded buffers to ``kv_write_log``."""
         r = len(req_ids)
@@ -186,9 +212,10 @@ class ModelRunner:
         rows = [self.batch.row_of[req_id] for req_id in req_ids]
         for group, meta in metas.items():
             table = self.batch.block_tables[group]
-            if group in self.mamba_states.specs:
-                # Mamba layers write whole states into columns, not tokens into slots.
-                positions, slots = self.mamba_states.write_slots(group, meta)
+            handler = next((h for h in self.state_handlers if h.handles(group)), None)
+            if handler is not None:
+                # Stateful layers (Mamba) write whole states into columns, not tokens into slots.
+                positions, slots = handler.write_slots(group, meta)
             else:
                 positions = self.buffers.positions[: meta.num_tokens].cpu().clone()
                 slots = meta.slot_mapping.cpu().clone()

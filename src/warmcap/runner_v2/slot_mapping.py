@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID
+from warmcap.contracts import PAD_SLOT_ID
 
 
 def compute_slot_mapping(

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID, AttentionMetadata
+from warmcap.contracts import PAD_SLOT_ID, AttentionMetadata
 from warmcap.runner_v2.input_batch import StepInputs
 from warmcap.runner_v2.slot_mapping import slot_mapping
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from warmcap.runner_v2.attention.base import PAD_SLOT_ID
+from warmcap.contracts import PAD_SLOT_ID
 
 _BLOCK = 128
 

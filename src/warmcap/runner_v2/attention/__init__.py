@@ -1,1 +1,2 @@
-"""Attention backends behind the :mod:`warmcap.runner_v2.attention.base` contract."""
+"""The runner's backends behind the :mod:`warmcap.contracts.backends` interfaces, and the forward
+context it hands the model."""

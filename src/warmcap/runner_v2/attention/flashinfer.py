@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from warmcap.contracts.backends import AttentionBackend
+from warmcap.contracts.metadata import AttentionMetadata
 from warmcap.core.reservation import blocks_covering
 from warmcap.errors import ConfigError
-from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata
 from warmcap.runner_v2.attention.torch_paged import MetaStamp, token_rows, write_kv
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

@@ -2,7 +2,7 @@
 
 Cache layout per MLA layer: ``[num_blocks + 1, block_size, kv_lora_rank + qk_rope_head_dim]``; each
 token stores its normed latent ``c_kv`` followed by its rotated shared rope key ``k_pe``. The last
-block is the sink for PAD writes (see :mod:`warmcap.runner_v2.attention.base`).
+block is the sink for PAD writes (see :mod:`warmcap.contracts.metadata`).
 
 Two equivalent ways to attend:
 - *decompressed* (prefill): every context latent is expanded to per-head keys and values through
@@ -19,86 +19,24 @@ rounding, not bit for bit, so a batch's outputs can move in the last bits when i
 Everything here is graph-safe: no host reads of device tensors, no ``*_cpu`` metadata, no
 data-dependent shapes. Padded tokens belong to padded rows (``seq_len`` 0), see nothing and get zeros.
 
-The token/context helpers here (:func:`write_slots`, :func:`gather_context`, :func:`query_layout`)
-are shared by the sparse-MLA indexer, which keeps its own cache in its own KV group.
+The cache helpers (:mod:`warmcap.runner_v2.attention.latent_cache`) are shared with the sparse-MLA
+indexer backend, which keeps its own cache in its own KV group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from warmcap.runner_v2.attention.base import AttentionMetadata
+from warmcap.contracts.backends import MLABackend, MLAWeights
+from warmcap.runner_v2.attention.latent_cache import gather_context, query_layout, visible_mask, write_slots
+
+if TYPE_CHECKING:
+    from warmcap.contracts.metadata import AttentionMetadata
 
 
-def write_slots(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``values`` [T, D] into ``cache`` [num_blocks + 1, block_size, D] at ``slot_mapping``;
-    PAD (-1) slots land in the sink block (index ``num_blocks``)."""
-    num_blocks_with_sink, block_size, dim = cache.shape
-    sink = (num_blocks_with_sink - 1) * block_size
-    slots = slot_mapping[: values.shape[0]]
-    slots = torch.where(slots < 0, torch.full_like(slots, sink), slots)
-    cache.view(-1, dim).index_copy_(0, slots, values.to(cache.dtype))
-
-
-def gather_context(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's cached vectors for positions ``0 .. max_seq_len - 1``.
-
-    Returns ``(values [R, S, D], valid [R, S])`` with ``S = meta.max_seq_len``; ``valid`` is False past
-    a row's ``seq_len`` (those entries read an arbitrary block and must be masked by the caller).
-    """
-    _, block_size, dim = cache.shape
-    rows, width = meta.block_table.shape
-    pos = torch.arange(meta.max_seq_len, device=cache.device)
-    cols = (pos // block_size).clamp(max=width - 1)
-    blocks = meta.block_table[:, cols].to(torch.int64)
-    slots = blocks * block_size + (pos % block_size)[None, :]
-    values = cache.view(-1, dim).index_select(0, slots.reshape(-1)).view(rows, meta.max_seq_len, dim)
-    valid = pos[None, :] < meta.seq_lens[:, None].to(torch.int64)
-    return values, valid
-
-
-def query_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each of the step's tokens: its row and its position in the row's sequence.
-
-    Tokens of padded rows get a negative position, so no context position is visible to them.
-    """
-    qsl = meta.query_start_loc.to(torch.int64)
-    tokens = torch.arange(meta.num_tokens, device=qsl.device)
-    rows = torch.searchsorted(qsl[1 : meta.num_reqs + 1], tokens, right=True).clamp(max=meta.num_reqs - 1)
-    ends = qsl[rows + 1]
-    positions = meta.seq_lens.to(torch.int64)[rows] - (ends - tokens)
-    return rows, positions
-
-
-def visible_mask(
-    rows: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, allowed: torch.Tensor | None
-) -> torch.Tensor:
-    """[t, S] bool: context position s is visible to token i (causal, within its row's sequence,
-    and selected by ``allowed`` when given)."""
-    ctx_pos = torch.arange(valid.shape[1], device=valid.device)
-    mask = valid[rows] & (ctx_pos[None, :] <= positions[:, None])
-    if allowed is not None:
-        mask &= allowed
-    return mask
-
-
-@dataclass(frozen=True, slots=True)
-class MLAWeights:
-    """The per-head halves of ``kv_b_proj``: ``w_uk`` [H, Dn, R] and ``w_uv`` [H, Dv, R]."""
-
-    w_uk: torch.Tensor
-    w_uv: torch.Tensor
-
-    @classmethod
-    def from_kv_b_proj(cls, weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> MLAWeights:
-        """Split ``kv_b_proj.weight`` [H * (Dn + Dv), R] into ``W_UK`` and ``W_UV``."""
-        per_head = weight.view(num_heads, -1, weight.shape[-1])
-        return cls(per_head[:, :qk_nope_head_dim], per_head[:, qk_nope_head_dim:])
-
-
-class TorchMLABackend:
+class TorchMLABackend(MLABackend):
     """Paged MLA over the latent cache, in plain torch (the CPU reference; graph-safe)."""
 
     name = "torch_mla"

@@ -1,4 +1,5 @@
-"""Pick the attention backend for a device: FlashInfer on CUDA when importable, else pure torch."""
+"""Pick the runner's backends for a device: FlashInfer attention on CUDA when importable, else pure
+torch; the torch MLA and lightning-indexer backends everywhere."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import importlib.util
 
 import torch
 
+from warmcap.contracts.backends import AttentionBackend
+from warmcap.contracts.registry import BackendRegistry
 from warmcap.errors import ConfigError
-from warmcap.runner_v2.attention.base import AttentionBackend
+from warmcap.runner_v2.attention.indexer import TorchIndexerBackend
+from warmcap.runner_v2.attention.mla import TorchMLABackend
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
 BACKEND_NAMES: tuple[str, ...] = ("auto", "torch", "flashinfer")
@@ -19,7 +23,7 @@ def flashinfer_available() -> bool:
 
 
 def select_backend(device: str | torch.device, *, name: str = "auto") -> AttentionBackend:
-    """The backend ``name`` (``auto``: FlashInfer on CUDA when available, torch otherwise)."""
+    """The attention backend ``name`` (``auto``: FlashInfer on CUDA when available, torch otherwise)."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention backend {name!r} is unknown; use one of {', '.join(BACKEND_NAMES)}")
     on_cuda = torch.device(device).type == "cuda"
@@ -33,3 +37,16 @@ def select_backend(device: str | torch.device, *, name: str = "auto") -> Attenti
 
         return FlashInferAttention(torch.device(device))
     return TorchPagedAttention()
+
+
+def backend_registry(attention: AttentionBackend) -> BackendRegistry:
+    """The backend of every KV kind: ``attention`` for full and sliding-window layers, the torch
+    MLA and lightning-indexer backends for latent-attention layers."""
+    return BackendRegistry(
+        {
+            "full": attention,
+            "sliding_window": attention,
+            "mla": TorchMLABackend(),
+            "indexer": TorchIndexerBackend(),
+        }
+    )

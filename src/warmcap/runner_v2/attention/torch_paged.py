@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from warmcap.runner_v2.attention.base import AttentionBackend, AttentionMetadata
+from warmcap.contracts.backends import AttentionBackend
+from warmcap.contracts.metadata import AttentionMetadata
 
 _MAX_CACHED_PLANS = 8
 

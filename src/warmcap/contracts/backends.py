@@ -1,0 +1,110 @@
+"""The backend interfaces model layers call, one per kind of KV state.
+
+A model layer computes its projections (and RoPE) and hands the kernel part to the backend of its
+layer's KV kind, found through :meth:`ForwardContext.backend`; it never constructs one. The runner
+registers the implementations (:mod:`warmcap.runner_v2.attention.selector`).
+
+Every ``forward``/``select`` writes this step's vectors into the layer's cache through
+``meta.slot_mapping`` first (PAD slots go to the sink block), then reads the context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from warmcap.contracts.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention over K/V caches (full and sliding-window layers)."""
+
+    name: str = "base"
+    #: whether a whole forward using this backend can be captured as one FULL graph
+    supports_full_graph: bool = False
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> output [T, Hq, D]; writes k/v into ``kv_cache`` first."""
+
+    def prepare_for_capture(self, metas: dict[str, AttentionMetadata]) -> None:  # noqa: B027
+        """Hook before recording a graph over these (static) metadata buffers."""
+
+    def prepare_for_replay(self, metas: dict[str, AttentionMetadata]) -> None:  # noqa: B027
+        """Hook before replaying a graph after the static buffers were refilled."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLAWeights:
+    """The per-head halves of ``kv_b_proj``: ``w_uk`` [H, Dn, R] and ``w_uv`` [H, Dv, R]."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    @classmethod
+    def from_kv_b_proj(cls, weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> MLAWeights:
+        """Split ``kv_b_proj.weight`` [H * (Dn + Dv), R] into ``W_UK`` and ``W_UV``."""
+        per_head = weight.view(num_heads, -1, weight.shape[-1])
+        return cls(per_head[:, :qk_nope_head_dim], per_head[:, qk_nope_head_dim:])
+
+
+class MLABackend(ABC):
+    """Paged multi-head latent attention over the latent cache (DeepSeek MLA layers)."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        weights: MLAWeights,
+        *,
+        scale: float,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q_nope [T, H, Dn], q_pe [T, H, Dr] (rotated), latent [T, R + Dr] (normed c_kv, rotated
+        k_pe) -> [T, H, Dv]. Writes ``latent`` into ``kv_cache`` first.
+
+        ``allowed`` [T, max_seq_len] bool restricts each query to selected context positions
+        (sparse MLA); causality and sequence bounds are always applied on top.
+        """
+
+
+class IndexerBackend(ABC):
+    """Top-k context selection of a sparse-MLA lightning indexer over its key cache."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def select(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        weights: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        top_k: int,
+    ) -> torch.Tensor:
+        """q [T, H, D] (rotated), k [T, D] (this step's keys), weights [T, H] -> [T, max_seq_len]
+        bool: the ``top_k`` best visible context positions of each query, scored
+        ``sum_h weights[h] * relu(q_h . key_s * scale)``. Writes ``k`` into ``kv_cache`` first."""
