@@ -197,7 +197,13 @@ class KVCacheManager:
         # Counts are interned, so identity means the holdings already cover the rule's count.
         if state is None or counts is not state.counts or new_computed_blocks or self._releasing:
             new_ids = self._grow(
-                request, state, counts, num_computed, num_new_computed_tokens, new_computed_blocks
+                request,
+                state,
+                counts,
+                num_computed + num_external_computed_tokens,
+                num_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
             )
             if new_ids is None:
                 return None
@@ -252,34 +258,46 @@ class KVCacheManager:
         state: _RequestState | None,
         counts: tuple[int, ...],
         num_computed: int,
+        num_tokens: int,
         num_new_computed_tokens: int,
         new_computed_blocks: dict[str, list[int]] | None,
     ) -> dict[str, list[int]] | None:
         """Take prefix hits and fresh blocks up to ``counts``; returns the ids appended per group,
-        or None when the pool is short, in which case nothing changed."""
+        or None when the pool is short, in which case nothing changed.
+
+        NOTE: the reference engine releases skipped blocks even when the allocation then fails;
+        here a failed call changes nothing (the scheduler retries after preempting), and the next
+        successful call releases them, so block counts after every successful call agree."""
         req_id = request.request_id
         hits = self._hit_blocks(new_computed_blocks) if new_computed_blocks else None
-        shortfall: list[int] = []
+        num_real = len(request.prompt_token_ids) + len(request.output_token_ids)
+        committed = num_tokens if num_tokens < num_real else num_real
+        after_drafts = num_computed > len(request.prompt_token_ids)
+        plans: list[tuple[int, tuple[range, ...]]] = []
         need = 0
         for i, m in enumerate(self.managers):
-            n = counts[i]
             held = m.req_blocks.get(req_id)
-            if held:
-                n -= len(held)
-            if hits:
-                n -= len(hits[i])
-            shortfall.append(n)
-            if n > 0:
-                need += n
+            start = (len(held) if held else 0) + (len(hits[i]) if hits else 0)
+            stop = counts[i]
+            nulls = m.null_columns(num_computed, committed, after_drafts) if m.releases_blocks else ()
+            plans.append((stop, nulls))
+            if stop > start:
+                need += stop - start
+                for r in nulls:
+                    need -= len(range(max(start, r.start), min(stop, r.stop)))
         if hits:
             # A hit that is free right now leaves the free queue when touched.
             need += sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0)
         if need:
             free_now = self.pool.num_free_blocks
-            for m in self._releasing:
-                free_now += m.num_releasable(req_id, num_computed)
+            for i, m in enumerate(self.managers):
+                if plans[i][1]:
+                    free_now += m.num_releasable(req_id, plans[i][1])
             if need > free_now:
                 return None
+        for i, m in enumerate(self.managers):
+            if plans[i][1]:
+                m.release(req_id, plans[i][1])
 
         if state is None:
             num_cached = len(hits[0]) if hits else 0
@@ -287,12 +305,10 @@ class KVCacheManager:
             self._state[req_id] = state
             self._prefix_queries += request.num_tokens
             self._prefix_hits += num_new_computed_tokens
-        for m in self._releasing:
-            m.release_skipped(req_id, num_computed)
         new_ids: dict[str, list[int]] = {}
         for i, m in enumerate(self.managers):
-            n = shortfall[i]
-            new_ids[m.name] = m.take(req_id, hits[i] if hits else (), n if n > 0 else 0)
+            stop, nulls = plans[i]
+            new_ids[m.name] = m.take(req_id, hits[i] if hits else (), stop, nulls)
         # Every group now holds at least ``counts``: later steps asking for the same counts skip
         # this method.
         state.counts = counts
