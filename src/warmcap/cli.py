@@ -20,7 +20,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
+# NOTE: soft wrap: rich otherwise folds long lines at the terminal width (80 columns when stderr
+# is not a terminal), and an error must stay one line for whoever greps the log.
+err = Console(stderr=True, soft_wrap=True)
 EXIT_USAGE = 2
 
 
@@ -344,4 +346,13 @@ def _load_report(path: str):
     p = Path(path)
     if not p.is_file():
         raise WarmcapError(f"report file {path!r} does not exist: write one with `warmup run --out FILE`")
-    return CaptureReport.from_json(p.read_text())
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise WarmcapError(
+            f"report file {path!r} is not text (binary data): give a JSON report written by `warmup run --out`"
+        ) from None
+    try:
+        return CaptureReport.from_json(text)
+    except WarmcapError as exc:
+        raise WarmcapError(f"report file {path!r}: {exc}") from None
