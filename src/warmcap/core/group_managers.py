@@ -120,7 +120,7 @@ class SkippingManager(GroupManager):
         first = self.num_released.get(req_id, 0)
         cols: list[int] = []
         for r in nulls:
-            lo = max(r.start, first) if r.start == 0 else r.start
+            lo = max(r.start, first)
             cols.extend(c for c in range(lo, min(r.stop, len(blocks))) if blocks[c] is not null)
         return cols
 
@@ -133,7 +133,7 @@ class SkippingManager(GroupManager):
         blocks = self.req_blocks.get(req_id)
         if not blocks:
             return
-        if nulls and nulls[0].start == 0:
+        if nulls and nulls[0].start <= 1:
             self.num_released[req_id] = max(self.num_released.get(req_id, 0), min(nulls[0].stop, len(blocks)))
         if not cols:
             return
@@ -153,6 +153,10 @@ class SlidingWindowManager(SkippingManager):
     """Sliding-window attention: blocks that left the window go back."""
 
 
+# Leading Mamba columns never released (see MambaManager.null_columns).
+IDENTITY_COLUMNS = 1
+
+
 class MambaManager(SkippingManager):
     """Mamba state: blocks behind the live state go back (modes ``all``/``align``); in ``align`` a
     step's columns that never hold a state stay null (``reservation.stateless_columns``)."""
@@ -160,13 +164,16 @@ class MambaManager(SkippingManager):
     def null_columns(
         self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
     ) -> tuple[range, ...]:
-        skipped = range(skipped_blocks(self.spec, num_computed_tokens))
+        # NOTE: column 0 keeps its block although the reference engine frees it too: the runner
+        # tells a Mamba row's request by the block in its first column and takes a null first
+        # block for a padded row (runner_v2/mamba_state.py MambaStates), so one block per request
+        # and group stays held for that until the runner matches rows another way.
+        skipped = range(IDENTITY_COLUMNS, skipped_blocks(self.spec, num_computed_tokens))
         # NOTE: after a verify step the live state is the state after the last accepted draft,
         # any of the 1 + k columns from the last computed token's (runner_v2/mamba_state.py).
         live = 1 + self.spec.num_speculative_blocks if after_drafts else 1
-        return skipped, stateless_columns(
-            self.spec, num_computed_tokens, num_committed_tokens, num_live_columns=live
-        )
+        gap = stateless_columns(self.spec, num_computed_tokens, num_committed_tokens, num_live_columns=live)
+        return skipped, range(max(IDENTITY_COLUMNS, gap.start), gap.stop)
 
 
 MANAGER_BY_KIND: dict[str, type[GroupManager]] = {
