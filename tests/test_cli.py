@@ -113,8 +113,9 @@ def test_report_of_a_missing_file_is_a_clear_error(tmp_path):
 
 
 def _one_error_line(res) -> str:
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1, res.output
+    """The error on stderr: exactly one line (never wrapped), no traceback."""
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
     assert lines[0].startswith("error:") and "Traceback" not in res.output
     return lines[0]
 
@@ -130,7 +131,9 @@ def _tiny_report_json() -> dict:
         capture_sizes=[1, 2],
         graphs=[GraphRecord("decode", "FULL", 2, 1, 2, 0.1, 1 << 20, True, 0.0, 0.0, True)],
         warmup_audit=WarmupAudit(steps=1, passes=1, slots_checked=4, violations=0),
-        spec_decode=SpecDecodeStats(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, per_position=[0]),
+        spec_decode=SpecDecodeStats(
+            num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, per_position=[0]
+        ),
         timings={},
         notes=[],
     )
@@ -172,3 +175,25 @@ def test_report_diff_of_different_models_refuses(tmp_path):
     line = _one_error_line(res)
     assert "not comparable" in line and "model 'tiny-llama' vs 'smollm2-135m'" in line
     assert "no regressions" not in res.output.lower()
+
+
+@pytest.mark.parametrize("where", ["missing/report.json", "."])
+def test_run_checks_out_path_before_the_run(tmp_path, monkeypatch, where):
+    import warmcap.startup
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the run started although --out cannot be written")
+
+    monkeypatch.setattr(warmcap.startup, "run_startup", no_run)
+    out = tmp_path / where
+    res = runner.invoke(app, ["run", "--model", "tiny-llama", "--out", str(out)])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "--out" in line and ("does not exist" in line or "is a folder" in line)
+
+
+def test_num_blocks_beyond_memory_is_refused_on_one_line():
+    res = runner.invoke(app, ["run", "--model", "tiny-llama", "--num-blocks", "100000000"])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "--num-blocks 100000000 needs" in line and "GiB" in line

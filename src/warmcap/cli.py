@@ -275,6 +275,8 @@ def run(
         dtype=dtype,
         batch_invariant=batch_invariant,
     )
+    if out:
+        _check_out_path(out)
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     console = Console()
     if not as_json:
@@ -336,6 +338,23 @@ def report(
     if not file:
         raise WarmcapError("give a report FILE to render, or --diff OLD NEW")
     render(_load_report(file), console)
+
+
+def _check_out_path(path: str) -> None:
+    """Refuse an output path that cannot be written, before a run spends minutes on the report."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise WarmcapError(f"--out {path!r} is a folder: give a file path such as {str(p / 'report.json')!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise WarmcapError(
+            f"--out {path!r}: folder {str(parent)!r} does not exist: create it first (mkdir -p)"
+        )
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise WarmcapError(f"--out {path!r} is not writable: choose another path or fix its permissions")
 
 
 def _load_report(path: str):
