@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from functools import cache
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
