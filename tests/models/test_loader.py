@@ -158,7 +158,7 @@ def test_config_that_is_not_a_json_object_names_the_file(tmp_path, tiny_llama, c
 def test_malformed_shard_index_names_the_file(tmp_path, tiny_llama, content):
     model = copy_model(tiny_llama, tmp_path / "m")
     (model / "model.safetensors.index.json").write_text(content)
-    with pytest.raises(ModelLoadError, match="model.safetensors.index.json"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors\.index\.json"):
         load_model(model)
 
 
