@@ -197,3 +197,20 @@ def test_num_blocks_beyond_memory_is_refused_on_one_line():
     assert res.exit_code == 2
     line = _one_error_line(res)
     assert "--num-blocks 100000000 needs" in line and "GiB" in line
+
+
+def test_plan_blames_max_model_len_not_the_pool_when_the_pool_is_big():
+    res = runner.invoke(app, ["plan", "--model", "tiny-llama", "--num-blocks", "512", "--max-model-len", "2"])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "raise --max-model-len" in line and "Raise --num-blocks" not in line
+
+
+def test_plan_pool_advice_is_a_size_that_works():
+    base = ["plan", "--model", "tiny-llama", "--spec", "dflash:7"]
+    res = runner.invoke(app, [*base, "--num-blocks", "6"])
+    assert res.exit_code == 2
+    want = int(re.search(r"Raise --num-blocks to at least (\d+)", _one_error_line(res)).group(1))
+    assert want > 6
+    assert runner.invoke(app, [*base, "--num-blocks", str(want)]).exit_code == 0
+    assert runner.invoke(app, [*base, "--num-blocks", str(want - 1)]).exit_code == 2
