@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -11,6 +12,8 @@ from warmcap.core.group_managers import MANAGER_BY_KIND, AttentionManager, Group
 from warmcap.core.hashing import extend_block_hashes
 from warmcap.core.reservation import block_of, blocks_per_request, reserved_blocks
 from warmcap.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # Distinct (tokens, lookahead, encoder tokens) keys kept before the memo starts over; each entry is
 # small, and a key space that large only comes from many distinct encoder lengths.
@@ -83,6 +86,12 @@ class KVCacheManager:
         self.enable_caching = (
             enable_caching and all(m.supports_prefix_cache for m in managers) and len(block_sizes) == 1
         )
+        #: Why prefix caching is off although it was asked for ("" when it is on or was not asked).
+        self.caching_off_reason = (
+            "" if self.enable_caching or not enable_caching else _caching_off_reason(self.groups)
+        )
+        if self.caching_off_reason:
+            logger.warning("prefix caching is off: %s", self.caching_off_reason)
         self.pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
         self.managers: list[GroupManager] = [
             cls(g, self.pool) for cls, g in zip(managers, self.groups, strict=True)
@@ -334,3 +343,23 @@ class KVCacheManager:
             m.cache(request.request_id, block_hashes, state.num_cached, num_full)
         state.num_cached = num_full
         state.cache_at = (num_full + 1) * self._hash_block_size
+
+
+def _caching_off_reason(groups: Sequence[KVCacheGroup]) -> str:
+    """Why these groups cannot share prefix-cache hits, naming the group (and Mamba cache mode)."""
+    for g in groups:
+        mode = getattr(g.spec, "cache_mode", None)
+        if mode == "none":
+            return (
+                f"Mamba group {g.name!r} in cache mode 'none' keeps one state per request, none per "
+                "block (as the reference engine, which disables prefix caching there too)"
+            )
+        if mode is not None:
+            return (
+                f"Mamba group {g.name!r} in cache mode {mode!r}: warmcap does not share Mamba states "
+                "through the prefix cache yet, so every prompt is computed in full; "
+                "set enable_prefix_caching=False to say so explicitly"
+            )
+        if not MANAGER_BY_KIND[g.spec.kind].supports_prefix_cache:
+            return f"group {g.name!r} ({g.spec.kind}) has no prefix-cache support"
+    return "the KV groups have different block sizes, so one hash chain cannot describe them all"
