@@ -371,6 +371,10 @@ def _load_report(path: str):
         raise WarmcapError(
             f"report file {path!r} is not text (binary data): give a JSON report written by `warmup run --out`"
         ) from None
+    except OSError as exc:
+        raise WarmcapError(
+            f"report file {path!r} cannot be read ({exc.strerror}): check its permissions"
+        ) from None
     try:
         return CaptureReport.from_json(text)
     except WarmcapError as exc:
