@@ -110,3 +110,107 @@ def test_run_report_and_diff_round_trip(tmp_path):
 def test_report_of_a_missing_file_is_a_clear_error(tmp_path):
     res = runner.invoke(app, ["report", str(tmp_path / "nope.json")])
     assert res.exit_code == 2 and "does not exist" in " ".join(res.output.split())
+
+
+def _one_error_line(res) -> str:
+    """The error on stderr: exactly one line (never wrapped), no traceback."""
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error:") and "Traceback" not in res.output
+    return lines[0]
+
+
+def _tiny_report_json() -> dict:
+    from warmcap.graphs.report import CaptureReport, GraphRecord, SpecDecodeStats, SpecInfo, WarmupAudit
+
+    report = CaptureReport(
+        model="tiny-llama",
+        device="cpu",
+        backend="static",
+        spec=SpecInfo("eagle", 1),
+        capture_sizes=[1, 2],
+        graphs=[GraphRecord("decode", "FULL", 2, 1, 2, 0.1, 1 << 20, True, 0.0, 0.0, True)],
+        warmup_audit=WarmupAudit(steps=1, passes=1, slots_checked=4, violations=0),
+        spec_decode=SpecDecodeStats(
+            num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, per_position=[0]
+        ),
+        timings={},
+        notes=[],
+    )
+    return json.loads(report.to_json())
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "not text"),
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2, 3]", "JSON object"),
+    ],
+)
+def test_report_of_a_broken_file_is_one_line_exit_2(tmp_path, content, says):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    res = runner.invoke(app, ["report", str(bad)])
+    assert res.exit_code == 2
+    assert says in _one_error_line(res) and "bad.json" in res.output
+
+
+def test_report_with_wrong_types_is_refused(tmp_path):
+    data = _tiny_report_json()
+    data["graphs"][0]["verified"] = "no"
+    bad = tmp_path / "typed.json"
+    bad.write_text(json.dumps(data))
+    res = runner.invoke(app, ["report", str(bad)])
+    assert res.exit_code == 2 and "graphs[0].verified" in _one_error_line(res)
+
+
+def test_report_diff_of_different_models_refuses(tmp_path):
+    old = _tiny_report_json()
+    new = dict(old, model="smollm2-135m")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    res = runner.invoke(app, ["report", "--diff", str(tmp_path / "old.json"), str(tmp_path / "new.json")])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "not comparable" in line and "model 'tiny-llama' vs 'smollm2-135m'" in line
+    assert "no regressions" not in res.output.lower()
+
+
+@pytest.mark.parametrize("where", ["missing/report.json", "."])
+def test_run_checks_out_path_before_the_run(tmp_path, monkeypatch, where):
+    import warmcap.startup
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the run started although --out cannot be written")
+
+    monkeypatch.setattr(warmcap.startup, "run_startup", no_run)
+    out = tmp_path / where
+    res = runner.invoke(app, ["run", "--model", "tiny-llama", "--out", str(out)])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "--out" in line and ("does not exist" in line or "is a folder" in line)
+
+
+def test_num_blocks_beyond_memory_is_refused_on_one_line():
+    res = runner.invoke(app, ["run", "--model", "tiny-llama", "--num-blocks", "100000000"])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "--num-blocks 100000000 needs" in line and "GiB" in line
+
+
+def test_plan_blames_max_model_len_not_the_pool_when_the_pool_is_big():
+    res = runner.invoke(app, ["plan", "--model", "tiny-llama", "--num-blocks", "512", "--max-model-len", "2"])
+    assert res.exit_code == 2
+    line = _one_error_line(res)
+    assert "raise --max-model-len" in line and "Raise --num-blocks" not in line
+
+
+def test_plan_pool_advice_is_a_size_that_works():
+    base = ["plan", "--model", "tiny-llama", "--spec", "dflash:7"]
+    res = runner.invoke(app, [*base, "--num-blocks", "6"])
+    assert res.exit_code == 2
+    want = int(re.search(r"Raise --num-blocks to at least (\d+)", _one_error_line(res)).group(1))
+    assert want > 6
+    assert runner.invoke(app, [*base, "--num-blocks", str(want)]).exit_code == 0
+    assert runner.invoke(app, [*base, "--num-blocks", str(want - 1)]).exit_code == 2

@@ -49,3 +49,19 @@ def test_given_free_bytes_replace_the_device_reading(monkeypatch: pytest.MonkeyP
     per_block = GROUPS[0].page_size_bytes
     monkeypatch.setattr(sizing, "free_memory_bytes", lambda device: 1 << 40)
     assert sizing.num_kv_blocks(_config(), GROUPS, CPU, free_bytes=8 * per_block) == 4
+
+
+def test_explicit_num_blocks_beyond_free_memory_is_refused_with_the_numbers() -> None:
+    # 100 million blocks of 2 KiB are ~190 GiB: more than this machine has free.
+    per_block = GROUPS[0].page_size_bytes
+    with pytest.raises(CapacityError, match="--num-blocks 100000000 needs") as info:
+        sizing.num_kv_blocks(_config(num_blocks=100_000_000), GROUPS, CPU)
+    fits = sizing.free_memory_bytes(CPU) // per_block
+    assert f"use at most {fits} blocks" in str(info.value) or "use at most" in str(info.value)
+
+
+def test_free_host_memory_comes_from_psutil() -> None:
+    import psutil
+
+    got = sizing.free_memory_bytes(CPU)
+    assert abs(got - psutil.virtual_memory().available) < (256 << 20)

@@ -20,7 +20,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
+# NOTE: soft wrap: rich otherwise folds long lines at the terminal width (80 columns when stderr
+# is not a terminal), and an error must stay one line for whoever greps the log.
+err = Console(stderr=True, soft_wrap=True)
 EXIT_USAGE = 2
 
 
@@ -259,6 +261,8 @@ def run(
         dtype=dtype,
         batch_invariant=batch_invariant,
     )
+    if out:
+        _check_out_path(out)
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     console = Console()
     if not as_json:
@@ -322,6 +326,23 @@ def report(
     render(_load_report(file), console)
 
 
+def _check_out_path(path: str) -> None:
+    """Refuse an output path that cannot be written, before a run spends minutes on the report."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise WarmcapError(f"--out {path!r} is a folder: give a file path such as {str(p / 'report.json')!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise WarmcapError(
+            f"--out {path!r}: folder {str(parent)!r} does not exist: create it first (mkdir -p)"
+        )
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise WarmcapError(f"--out {path!r} is not writable: choose another path or fix its permissions")
+
+
 def _load_report(path: str):
     from pathlib import Path
 
@@ -330,4 +351,17 @@ def _load_report(path: str):
     p = Path(path)
     if not p.is_file():
         raise WarmcapError(f"report file {path!r} does not exist: write one with `warmup run --out FILE`")
-    return CaptureReport.from_json(p.read_text())
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise WarmcapError(
+            f"report file {path!r} is not text (binary data): give a JSON report written by `warmup run --out`"
+        ) from None
+    except OSError as exc:
+        raise WarmcapError(
+            f"report file {path!r} cannot be read ({exc.strerror}): check its permissions"
+        ) from None
+    try:
+        return CaptureReport.from_json(text)
+    except WarmcapError as exc:
+        raise WarmcapError(f"report file {path!r}: {exc}") from None

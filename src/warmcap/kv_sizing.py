@@ -3,10 +3,9 @@ capped at what ``max_num_seqs`` full-length requests can use (plus the null bloc
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 
+import psutil
 import torch
 
 from warmcap.config import EngineConfig
@@ -14,18 +13,12 @@ from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.reservation import blocks_per_request
 from warmcap.errors import CapacityError
 
-_MEMINFO = Path("/proc/meminfo")
-
 
 def free_memory_bytes(device: torch.device) -> int:
     """Free device memory (CUDA) or available host memory (CPU)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    if _MEMINFO.is_file():
-        for line in _MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return psutil.virtual_memory().available
 
 
 def blocks_for_full_batch(config: EngineConfig, groups: Sequence[KVCacheGroup]) -> int:
@@ -48,10 +41,17 @@ def num_kv_blocks(
 ) -> int:
     """The pool size (block ids, null block 0 included). ``free_bytes``: the memory left for the
     KV cache once the weights are in (default: what ``device`` has free now)."""
-    if config.cache.num_blocks is not None:
-        return config.cache.num_blocks
     bytes_per_block = sum(g.page_size_bytes for g in groups)
     free = free_memory_bytes(device) if free_bytes is None else free_bytes
+    if config.cache.num_blocks is not None:
+        num_blocks = config.cache.num_blocks
+        if num_blocks * bytes_per_block > free:
+            raise CapacityError(
+                f"--num-blocks {num_blocks} needs {_gib(num_blocks * bytes_per_block)} of KV cache "
+                f"({bytes_per_block} bytes per block) but only {_gib(free)} is free on {device}: "
+                f"use at most {free // bytes_per_block} blocks, or leave --num-blocks unset to size by memory"
+            )
+        return num_blocks
     budget = int(free * config.cache.memory_fraction)
     num_blocks = min(budget // bytes_per_block, blocks_for_full_batch(config, groups))
     if num_blocks < 2:
@@ -60,3 +60,7 @@ def num_kv_blocks(
             "free memory, raise memory_fraction, or set num_blocks explicitly"
         )
     return num_blocks
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

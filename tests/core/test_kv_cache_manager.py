@@ -173,6 +173,23 @@ def test_mamba_disables_prefix_caching_for_every_group():
     assert kv.get_computed_blocks(Request("b", list(range(9))))[1] == 0
 
 
+@pytest.mark.parametrize("mode", ["all", "align"])
+def test_hybrid_prefix_caching_refusal_names_the_mode(mode, caplog):
+    with caplog.at_level("WARNING", logger="warmcap.core.kv_cache_manager"):
+        kv = manager(FULL, KVCacheGroup("mamba", MambaSpec(block_size=4, cache_mode=mode)))
+    assert not kv.enable_caching
+    assert f"cache mode {mode!r}" in kv.caching_off_reason
+    assert f"prefix caching is off: Mamba group 'mamba' in cache mode {mode!r}" in caplog.text
+
+
+def test_no_refusal_when_caching_was_not_asked_for(caplog):
+    with caplog.at_level("WARNING", logger="warmcap.core.kv_cache_manager"):
+        kv = manager(
+            FULL, KVCacheGroup("mamba", MambaSpec(block_size=4, cache_mode="all")), enable_caching=False
+        )
+    assert kv.caching_off_reason == "" and "prefix caching" not in caplog.text
+
+
 def test_cross_attention_is_sized_once_by_the_encoder():
     cross = KVCacheGroup("cross_attention", CrossAttentionSpec(block_size=4))
     kv = manager(FULL, cross, max_encoder_len=16)

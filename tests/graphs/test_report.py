@@ -172,3 +172,43 @@ def test_render_diff_lists_regressions_first() -> None:
     text = _text(render_diff, diff_reports(old, _with_graph(old, 1, verified=False)))
     assert "1 regression(s)" in text
     assert text.index("regression") < text.index("same")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "where"),
+    [
+        (("graphs", 0, "verified"), "no", "graphs[0].verified"),
+        (("graphs", 1, "num_tokens"), None, "graphs[1].num_tokens"),
+        (("graphs", 0, "memory_bytes"), -5, "graphs[0].memory_bytes"),
+        (("totals", "all_verified"), "yes", "totals.all_verified"),
+        (("warmup_audit", "violations"), "0", "warmup_audit.violations"),
+    ],
+)
+def test_loading_checks_the_schema_and_names_the_field(path, value, where) -> None:
+    data = json.loads(_report().to_json())
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ConfigError, match="does not match its schema") as info:
+        CaptureReport.from_json(json.dumps(data))
+    assert where in str(info.value)
+
+
+def test_a_json_list_is_not_a_report() -> None:
+    with pytest.raises(ConfigError, match="JSON object"):
+        CaptureReport.from_json("[1, 2]")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"model": "smollm2-135m"}, "model"),
+        ({"spec": SpecInfo("ngram", 3)}, "spec"),
+        ({"backend": "cuda"}, "backend"),
+        ({"device": "NVIDIA H100"}, "device"),
+    ],
+)
+def test_diff_refuses_reports_of_different_setups(change, field) -> None:
+    with pytest.raises(ConfigError, match=f"not comparable: {field} "):
+        diff_reports(_report(), replace(_report(), **change))

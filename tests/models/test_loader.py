@@ -140,3 +140,54 @@ def test_importing_model_modules_does_not_import_transformers():
         "sys.exit('transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [("[1, 2, 3]", "JSON list"), ("{not json", "not valid JSON"), ("\udcff", "not valid JSON")],
+)
+def test_config_that_is_not_a_json_object_names_the_file(tmp_path, tiny_llama, content, says):
+    model = copy_model(tiny_llama, tmp_path / "m")
+    (model / "config.json").write_bytes(content.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ModelLoadError, match=says) as info:
+        load_hf_config(model)
+    assert "config.json" in str(info.value)
+
+
+@pytest.mark.parametrize("content", ["{broken", '["model.safetensors"]', '{"weight_map": [1]}'])
+def test_malformed_shard_index_names_the_file(tmp_path, tiny_llama, content):
+    model = copy_model(tiny_llama, tmp_path / "m")
+    (model / "model.safetensors.index.json").write_text(content)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors\.index\.json"):
+        load_model(model)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_damaged_safetensors_names_the_file(tmp_path, tiny_llama, damage):
+    model = copy_model(tiny_llama, tmp_path / "m")
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07garbage" * 64)
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file") as info:
+        load_model(model)
+    assert str(weights) in str(info.value)
+
+
+def test_damaged_preset_entry_says_which_folder_to_delete_and_rebuilds(tmp_path, monkeypatch):
+    from warmcap.models import presets
+
+    monkeypatch.setenv("WARMCAP_CACHE", str(tmp_path / "cache"))
+    entry = presets.resolve_model("tiny-llama")
+    (entry / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(presets.resolve_model("tiny-llama"))
+    message = str(info.value)
+    assert f"delete the folder {str(entry)!r}" in message and "WARMCAP_REBUILD=1" in message
+
+    monkeypatch.setenv("WARMCAP_REBUILD", "1")
+    rebuilt = presets.resolve_model("tiny-llama")
+    assert rebuilt == entry and load_model(rebuilt) is not None
+    # rebuilt once per process, not on every resolve
+    mtime = (entry / "model.safetensors").stat().st_mtime_ns
+    assert presets.resolve_model("tiny-llama") == entry
+    assert (entry / "model.safetensors").stat().st_mtime_ns == mtime

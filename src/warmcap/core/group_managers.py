@@ -1,8 +1,10 @@
 """Per-group block strategies: which blocks one KV group's requests hold and how that changes.
 
 The block *count* always comes from ``reservation.reserved_blocks``; a strategy only decides what
-else its kind does: attention groups share full blocks through the prefix cache, sliding-window
-groups release blocks that left the window; Mamba state and cross-attention only grow.
+else its kind does: attention groups share full blocks through the prefix cache; sliding-window
+groups release blocks that left the window and Mamba groups those behind the live state
+(``reservation.skipped_blocks``), keeping the null block in their columns; cross-attention only
+grows.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import ClassVar
 
 from warmcap.core.block_pool import BlockPool, KVBlock
 from warmcap.core.kv_spec import KVCacheGroup
-from warmcap.core.reservation import skipped_blocks
+from warmcap.core.reservation import skipped_blocks, stateless_columns
 
 
 class GroupManager:
@@ -34,15 +36,26 @@ class GroupManager:
         blocks = self.req_blocks.get(req_id)
         return len(blocks) if blocks else 0
 
-    def num_releasable(self, req_id: str, num_computed_tokens: int) -> int:
-        """Blocks ``release_skipped`` would return to the free queue."""
+    def null_columns(
+        self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
+    ) -> tuple[range, ...]:
+        """Columns that get the null block instead of a fresh one when they are appended, for a
+        step from ``num_computed_tokens`` (all kinds of computed tokens) to
+        ``num_committed_tokens``; ``after_drafts``: the request may have verified drafts before."""
+        return ()
+
+    def num_releasable(self, req_id: str, nulls: tuple[range, ...]) -> int:
+        """Blocks ``release`` would return to the free queue."""
         return 0
 
-    def release_skipped(self, req_id: str, num_computed_tokens: int) -> None:
-        """Free blocks the request no longer reads (sliding window only)."""
+    def release(self, req_id: str, nulls: tuple[range, ...]) -> None:
+        """Put the null block in the request's held columns of ``nulls`` and free what was there."""
 
-    def take(self, req_id: str, hits: Sequence[KVBlock], num_new: int) -> list[int]:
-        """Append prefix hits then ``num_new`` fresh blocks; returns the ids appended."""
+    def take(
+        self, req_id: str, hits: Sequence[KVBlock], stop: int, nulls: tuple[range, ...] = ()
+    ) -> list[int]:
+        """Append prefix hits, then fresh blocks up to ``stop`` columns (the null block in columns
+        of ``nulls``); returns the ids appended."""
         blocks = self.req_blocks.get(req_id)
         if blocks is None:
             blocks = self.req_blocks[req_id] = []
@@ -50,8 +63,15 @@ class GroupManager:
         if hits:
             self.pool.touch(hits)
             blocks.extend(hits)
-        if num_new:
-            blocks.extend(self.pool.get_new_blocks(num_new))
+        if nulls:
+            null = self.pool.null_block
+            for col in range(len(blocks), stop):
+                if any(col in r for r in nulls):
+                    blocks.append(null)
+                else:
+                    blocks.extend(self.pool.get_new_blocks(1))
+        elif stop > len(blocks):
+            blocks.extend(self.pool.get_new_blocks(stop - len(blocks)))
         return [b.block_id for b in blocks[start:]]
 
     def free(self, req_id: str) -> None:
@@ -73,9 +93,10 @@ class AttentionManager(GroupManager):
         self.pool.cache_full_blocks(self.name, blocks[start:stop], block_hashes[start:stop])
 
 
-class SlidingWindowManager(GroupManager):
-    """Sliding-window attention: blocks that left the window go back, the null block keeps
-    their column so the block count still equals the rule's."""
+class SkippingManager(GroupManager):
+    """A group whose requests stop reading leading blocks (``reservation.skipped_blocks``): those go
+    back to the pool and the null block keeps their column, so the column count still equals the
+    rule's while the blocks held shrink."""
 
     releases_blocks = True
 
@@ -84,25 +105,43 @@ class SlidingWindowManager(GroupManager):
         # Leading columns already released per request: each step only looks at what is new.
         self.num_released: dict[str, int] = {}
 
-    def num_releasable(self, req_id: str, num_computed_tokens: int) -> int:
-        blocks = self.req_blocks.get(req_id)
-        if not blocks:
-            return 0
-        first = self.num_released.get(req_id, 0)
-        skip = skipped_blocks(self.spec, num_computed_tokens)
-        return sum(1 for b in blocks[first:skip] if b.ref_cnt == 1)
+    def null_columns(
+        self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
+    ) -> tuple[range, ...]:
+        return (range(skipped_blocks(self.spec, num_computed_tokens)),)
 
-    def release_skipped(self, req_id: str, num_computed_tokens: int) -> None:
+    def _held_columns(self, req_id: str, nulls: tuple[range, ...]) -> list[int]:
+        """Held columns of ``nulls`` that still hold a real block."""
+        blocks = self.req_blocks.get(req_id)
+        if not blocks:
+            return []
+        null = self.pool.null_block
+        # Leading columns released before are null already: start past them.
+        first = self.num_released.get(req_id, 0)
+        cols: list[int] = []
+        for r in nulls:
+            lo = max(r.start, first)
+            cols.extend(c for c in range(lo, min(r.stop, len(blocks))) if blocks[c] is not null)
+        return cols
+
+    def num_releasable(self, req_id: str, nulls: tuple[range, ...]) -> int:
+        blocks = self.req_blocks.get(req_id)
+        return sum(1 for c in self._held_columns(req_id, nulls) if blocks[c].ref_cnt == 1)
+
+    def release(self, req_id: str, nulls: tuple[range, ...]) -> None:
+        cols = self._held_columns(req_id, nulls)
         blocks = self.req_blocks.get(req_id)
         if not blocks:
             return
-        first = self.num_released.get(req_id, 0)
-        skip = min(skipped_blocks(self.spec, num_computed_tokens), len(blocks))
-        if skip <= first:
+        if nulls and nulls[0].start <= 1:
+            self.num_released[req_id] = max(self.num_released.get(req_id, 0), min(nulls[0].stop, len(blocks)))
+        if not cols:
             return
-        released = blocks[first:skip]
-        blocks[first:skip] = [self.pool.null_block] * (skip - first)
-        self.num_released[req_id] = skip
+        released = [blocks[c] for c in cols]
+        null = self.pool.null_block
+        for c in cols:
+            blocks[c] = null
+        # Tail first, as a finished request frees, so the older blocks stay cached longest.
         self.pool.free_blocks(reversed(released))
 
     def free(self, req_id: str) -> None:
@@ -110,11 +149,38 @@ class SlidingWindowManager(GroupManager):
         super().free(req_id)
 
 
+class SlidingWindowManager(SkippingManager):
+    """Sliding-window attention: blocks that left the window go back."""
+
+
+# Leading Mamba columns never released (see MambaManager.null_columns).
+IDENTITY_COLUMNS = 1
+
+
+class MambaManager(SkippingManager):
+    """Mamba state: blocks behind the live state go back (modes ``all``/``align``); in ``align`` a
+    step's columns that never hold a state stay null (``reservation.stateless_columns``)."""
+
+    def null_columns(
+        self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
+    ) -> tuple[range, ...]:
+        # NOTE: column 0 keeps its block although the reference engine frees it too: the runner
+        # tells a Mamba row's request by the block in its first column and takes a null first
+        # block for a padded row (runner_v2/mamba_state.py MambaStates), so one block per request
+        # and group stays held for that until the runner matches rows another way.
+        skipped = range(IDENTITY_COLUMNS, skipped_blocks(self.spec, num_computed_tokens))
+        # NOTE: after a verify step the live state is the state after the last accepted draft,
+        # any of the 1 + k columns from the last computed token's (runner_v2/mamba_state.py).
+        live = 1 + self.spec.num_speculative_blocks if after_drafts else 1
+        gap = stateless_columns(self.spec, num_computed_tokens, num_committed_tokens, num_live_columns=live)
+        return skipped, range(max(IDENTITY_COLUMNS, gap.start), gap.stop)
+
+
 MANAGER_BY_KIND: dict[str, type[GroupManager]] = {
     "full": AttentionManager,
     "mla": AttentionManager,
     "indexer": AttentionManager,
     "sliding_window": SlidingWindowManager,
-    "mamba": GroupManager,
+    "mamba": MambaManager,
     "cross_attention": GroupManager,
 }

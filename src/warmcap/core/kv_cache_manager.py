@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -11,6 +12,8 @@ from warmcap.core.group_managers import MANAGER_BY_KIND, AttentionManager, Group
 from warmcap.core.hashing import extend_block_hashes
 from warmcap.core.reservation import block_of, blocks_per_request, reserved_blocks
 from warmcap.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # Distinct (tokens, lookahead, encoder tokens) keys kept before the memo starts over; each entry is
 # small, and a key space that large only comes from many distinct encoder lengths.
@@ -83,6 +86,12 @@ class KVCacheManager:
         self.enable_caching = (
             enable_caching and all(m.supports_prefix_cache for m in managers) and len(block_sizes) == 1
         )
+        #: Why prefix caching is off although it was asked for ("" when it is on or was not asked).
+        self.caching_off_reason = (
+            "" if self.enable_caching or not enable_caching else _caching_off_reason(self.groups)
+        )
+        if self.caching_off_reason:
+            logger.warning("prefix caching is off: %s", self.caching_off_reason)
         self.pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
         self.managers: list[GroupManager] = [
             cls(g, self.pool) for cls, g in zip(managers, self.groups, strict=True)
@@ -197,7 +206,13 @@ class KVCacheManager:
         # Counts are interned, so identity means the holdings already cover the rule's count.
         if state is None or counts is not state.counts or new_computed_blocks or self._releasing:
             new_ids = self._grow(
-                request, state, counts, num_computed, num_new_computed_tokens, new_computed_blocks
+                request,
+                state,
+                counts,
+                num_computed + num_external_computed_tokens,
+                num_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
             )
             if new_ids is None:
                 return None
@@ -252,34 +267,46 @@ class KVCacheManager:
         state: _RequestState | None,
         counts: tuple[int, ...],
         num_computed: int,
+        num_tokens: int,
         num_new_computed_tokens: int,
         new_computed_blocks: dict[str, list[int]] | None,
     ) -> dict[str, list[int]] | None:
         """Take prefix hits and fresh blocks up to ``counts``; returns the ids appended per group,
-        or None when the pool is short, in which case nothing changed."""
+        or None when the pool is short, in which case nothing changed.
+
+        NOTE: the reference engine releases skipped blocks even when the allocation then fails;
+        here a failed call changes nothing (the scheduler retries after preempting), and the next
+        successful call releases them, so block counts after every successful call agree."""
         req_id = request.request_id
         hits = self._hit_blocks(new_computed_blocks) if new_computed_blocks else None
-        shortfall: list[int] = []
+        num_real = len(request.prompt_token_ids) + len(request.output_token_ids)
+        committed = num_tokens if num_tokens < num_real else num_real
+        after_drafts = num_computed > len(request.prompt_token_ids)
+        plans: list[tuple[int, tuple[range, ...]]] = []
         need = 0
         for i, m in enumerate(self.managers):
-            n = counts[i]
             held = m.req_blocks.get(req_id)
-            if held:
-                n -= len(held)
-            if hits:
-                n -= len(hits[i])
-            shortfall.append(n)
-            if n > 0:
-                need += n
+            start = (len(held) if held else 0) + (len(hits[i]) if hits else 0)
+            stop = counts[i]
+            nulls = m.null_columns(num_computed, committed, after_drafts) if m.releases_blocks else ()
+            plans.append((stop, nulls))
+            if stop > start:
+                need += stop - start
+                for r in nulls:
+                    need -= len(range(max(start, r.start), min(stop, r.stop)))
         if hits:
             # A hit that is free right now leaves the free queue when touched.
             need += sum(1 for group_hits in hits for b in group_hits if b.ref_cnt == 0)
         if need:
             free_now = self.pool.num_free_blocks
-            for m in self._releasing:
-                free_now += m.num_releasable(req_id, num_computed)
+            for i, m in enumerate(self.managers):
+                if plans[i][1]:
+                    free_now += m.num_releasable(req_id, plans[i][1])
             if need > free_now:
                 return None
+        for i, m in enumerate(self.managers):
+            if plans[i][1]:
+                m.release(req_id, plans[i][1])
 
         if state is None:
             num_cached = len(hits[0]) if hits else 0
@@ -287,12 +314,10 @@ class KVCacheManager:
             self._state[req_id] = state
             self._prefix_queries += request.num_tokens
             self._prefix_hits += num_new_computed_tokens
-        for m in self._releasing:
-            m.release_skipped(req_id, num_computed)
         new_ids: dict[str, list[int]] = {}
         for i, m in enumerate(self.managers):
-            n = shortfall[i]
-            new_ids[m.name] = m.take(req_id, hits[i] if hits else (), n if n > 0 else 0)
+            stop, nulls = plans[i]
+            new_ids[m.name] = m.take(req_id, hits[i] if hits else (), stop, nulls)
         # Every group now holds at least ``counts``: later steps asking for the same counts skip
         # this method.
         state.counts = counts
@@ -318,3 +343,23 @@ class KVCacheManager:
             m.cache(request.request_id, block_hashes, state.num_cached, num_full)
         state.num_cached = num_full
         state.cache_at = (num_full + 1) * self._hash_block_size
+
+
+def _caching_off_reason(groups: Sequence[KVCacheGroup]) -> str:
+    """Why these groups cannot share prefix-cache hits, naming the group (and Mamba cache mode)."""
+    for g in groups:
+        mode = getattr(g.spec, "cache_mode", None)
+        if mode == "none":
+            return (
+                f"Mamba group {g.name!r} in cache mode 'none' keeps one state per request, none per "
+                "block (as the reference engine, which disables prefix caching there too)"
+            )
+        if mode is not None:
+            return (
+                f"Mamba group {g.name!r} in cache mode {mode!r}: warmcap does not share Mamba states "
+                "through the prefix cache yet, so every prompt is computed in full; "
+                "set enable_prefix_caching=False to say so explicitly"
+            )
+        if not MANAGER_BY_KIND[g.spec.kind].supports_prefix_cache:
+            return f"group {g.name!r} ({g.spec.kind}) has no prefix-cache support"
+    return "the KV groups have different block sizes, so one hash chain cannot describe them all"

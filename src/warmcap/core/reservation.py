@@ -45,15 +45,38 @@ def reserved_blocks(
 
 
 def skipped_blocks(spec: KVSpec, num_computed_tokens: int) -> int:
-    """Leading blocks a sliding-window request no longer needs (replaced by the null block).
+    """Leading blocks a request no longer reads (their columns hold the null block).
 
-    The next query sits at position ``num_computed_tokens`` and sees ``[p - window + 1, p]``, so whole
-    blocks before ``p - window + 1`` can go. Zero for every other kind.
+    ``num_computed_tokens`` counts every token whose KV or state exists (local, prefix hits and
+    external). Sliding window: the next query sits at position ``p = num_computed_tokens`` and
+    sees ``[p - window + 1, p]``, so whole blocks before ``p - window + 1`` can go. Mamba in modes
+    ``all``/``align``: only the state after the last computed token is read again (block
+    ``(p - 1) // bs``), so every block before it can go. Mamba in mode ``none`` keeps its states in
+    columns ``0 .. k`` (its block spans the whole context), and other kinds read everything: zero.
     """
-    if not isinstance(spec, SlidingWindowSpec):
-        return 0
-    first_needed = max(0, num_computed_tokens - spec.sliding_window + 1)
-    return first_needed // spec.block_size
+    if isinstance(spec, SlidingWindowSpec):
+        first_needed = max(0, num_computed_tokens - spec.sliding_window + 1)
+        return first_needed // spec.block_size
+    if isinstance(spec, MambaSpec) and spec.cache_mode != "none":
+        return max(0, num_computed_tokens - 1) // spec.block_size
+    return 0
+
+
+def stateless_columns(
+    spec: KVSpec, num_computed_tokens: int, num_committed_tokens: int, *, num_live_columns: int = 1
+) -> range:
+    """Columns of a Mamba ``align`` step that neither hold the live state nor receive one.
+
+    The live state sits in ``num_live_columns`` columns from ``block_of(num_computed_tokens - 1)``
+    (more than one after a verify step: the state after accepted draft j is j columns further);
+    the step writes the state after its last committed token to ``block_of(num_committed - 1)``
+    and draft states to the k columns after it. Columns in between, which a long prefill chunk
+    spans, stay null. Empty for every other kind and mode (``all`` writes every block boundary).
+    """
+    if not isinstance(spec, MambaSpec) or spec.cache_mode != "align" or num_committed_tokens < 1:
+        return range(0)
+    start = block_of(spec, num_computed_tokens - 1) + num_live_columns if num_computed_tokens else 0
+    return range(start, block_of(spec, num_committed_tokens - 1))
 
 
 def block_of(spec: KVSpec, position: int) -> int:

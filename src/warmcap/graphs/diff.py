@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from warmcap.errors import ConfigError
 from warmcap.graphs.report import CaptureReport, GraphRecord
 
 # Capture times below this many seconds are noise on any machine; changes under it are not judged.
@@ -58,6 +59,23 @@ class _Differ:
         self.add(metric, _mib(old), _mib(new), status, f"{metric}: {_mib(old)} -> {_mib(new)}{pct}")
 
 
+def mismatched_setup(old: CaptureReport, new: CaptureReport) -> list[str]:
+    """What makes two reports incomparable: ``field: old vs new`` for each of model, speculative
+    method, backend, device and batch invariance that differs."""
+
+    def spec(r: CaptureReport) -> str:
+        return f"{r.spec.method}:{r.spec.k}" if r.spec.method else "none"
+
+    pairs = {
+        "model": (old.model, new.model),
+        "spec": (spec(old), spec(new)),
+        "backend": (old.backend, new.backend),
+        "device": (old.device, new.device),
+        "batch_invariant": (old.batch_invariant, new.batch_invariant),
+    }
+    return [f"{name} {a!r} vs {b!r}" for name, (a, b) in pairs.items() if a != b]
+
+
 def diff_reports(
     old: CaptureReport,
     new: CaptureReport,
@@ -72,7 +90,16 @@ def diff_reports(
     5 ms are ignored), memory up by more than ``memory_tolerance`` (total and per graph), acceptance
     length down by more than ``acceptance_tolerance`` (absolute), more audit violations, a graph that
     stopped verifying or stopped being CUDA-safe, a graph that disappeared. The mirror images count as improvements.
+
+    Raises ConfigError when the reports come from different set-ups (:func:`mismatched_setup`):
+    their numbers say nothing about a regression.
     """
+    mismatch = mismatched_setup(old, new)
+    if mismatch:
+        raise ConfigError(
+            f"the reports are not comparable: {'; '.join(mismatch)}: diff reports of the same model, "
+            "--spec, backend and device"
+        )
     d = _Differ(time_tolerance, memory_tolerance)
     ot, nt = old.totals, new.totals
     d.seconds("total capture time", ot.seconds, nt.seconds)

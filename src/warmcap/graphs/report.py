@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from importlib import resources
 from typing import Any, Literal
+
+import jsonschema
 
 from warmcap.errors import ConfigError
 
@@ -181,6 +184,9 @@ class CaptureReport:
                 f"capture report version {version!r} is not supported (expected {REPORT_VERSION}): "
                 "regenerate it with this warmcap"
             )
+        problem = schema_problem(data)
+        if problem:
+            raise ConfigError(f"capture report does not match its schema ({problem}): regenerate it")
         try:
             spec_decode = {k: v for k, v in data["spec_decode"].items() if k != "acceptance_length"}
             return cls(
@@ -221,7 +227,18 @@ def _graph_dict(g: GraphRecord) -> dict[str, Any]:
     return data
 
 
+@cache
 def report_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of :meth:`CaptureReport.to_dict`."""
     path = resources.files("warmcap").joinpath("schemas/capture_report.schema.json")
     return json.loads(path.read_text())
+
+
+def schema_problem(data: Any) -> str:
+    """The first way ``data`` breaks the report schema, as ``where: what`` (empty when it fits)."""
+    validator = jsonschema.Draft202012Validator(report_schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is None:
+        return ""
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".")
+    return f"{where or 'top level'}: {error.message}"

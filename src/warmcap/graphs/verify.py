@@ -272,8 +272,13 @@ def _check(label: str, passes: Passes, written: list[Written], tol: Tolerance) -
     greedy_ref, greedy_graph = passes.greedy(reference[0]), passes.greedy(replayed[0][:t])
     greedy = greedy_ref is None or bool(torch.equal(greedy_ref, greedy_graph))
     unwritten = sorted({w.group for w in written if w.is_state and w.index.numel() == 0})
-    ok = diff <= tol.replay_vs_eager and real_diff <= real_tol and greedy and not unwritten
+    # NOTE: NaN in replay and eager alike compares equal (padded rows may be NaN): real rows that
+    # are not finite must fail on their own, or a model with NaN weights would verify.
+    nonfinite = any(not bool(torch.isfinite(x).all()) for x in [o[:t] for o in replayed] + reference)
+    ok = diff <= tol.replay_vs_eager and real_diff <= real_tol and greedy and not unwritten and not nonfinite
     reason = f"real rows wrote no state in {', '.join(unwritten)}" if unwritten else ""
+    if nonfinite:
+        reason = "real rows are not finite (NaN/Inf) in replay or eager output: check the model's weights"
     return GraphCheck(label, t, passes.num_reqs, diff, real_diff, greedy, ok, reason)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 
 from warmcap.errors import ModelLoadError
 from warmcap.models.registry import model_class
@@ -40,9 +41,16 @@ def load_hf_config(path: str | Path) -> Any:
     if not config_file.is_file():
         raise ModelLoadError(f"{str(p)!r} has no config.json; point at a Hugging Face model directory")
     try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{str(config_file)!r} is not valid JSON ({e}); re-export the model") from None
+        raw = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(
+            f"{str(config_file)!r} is not valid JSON ({e}); re-export the model{_rebuild_hint(p)}"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(
+            f"{str(config_file)!r} holds a JSON {type(raw).__name__}, not an object of config fields; "
+            f"re-export the model{_rebuild_hint(p)}"
+        )
     if not raw.get("architectures"):
         raise ModelLoadError(
             f"{str(config_file)!r} has no 'architectures' entry; add e.g. "
@@ -61,7 +69,18 @@ def weight_files(path: str | Path) -> list[Path]:
     p = _model_dir(path)
     index = p / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            data = json.loads(index.read_bytes().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(
+                f"{str(index)!r} is not valid JSON ({e}); re-save the sharded checkpoint{_rebuild_hint(p)}"
+            ) from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(
+                f"{str(index)!r} has no 'weight_map' object of weight name -> shard file; "
+                f"re-save the sharded checkpoint{_rebuild_hint(p)}"
+            )
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (p / n).is_file()]
         if missing:
@@ -112,11 +131,24 @@ def load_model(
     except ModelLoadError as e:
         origin = where["file"] if where["file"] is not None else Path(path)
         raise ModelLoadError(f"{origin}: {e}") from None
+    except SafetensorError as e:
+        # A truncated or garbage file fails in safe_open or when a tensor is read.
+        raise ModelLoadError(
+            f"{where['file']} is not a readable safetensors file ({e}); "
+            f"re-download or re-save the weights{_rebuild_hint(Path(path))}"
+        ) from None
     if batch_invariant:
         from warmcap.models.batch_invariant import make_batch_invariant
 
         make_batch_invariant(model)
     return model.eval()
+
+
+def _rebuild_hint(model_dir: Path) -> str:
+    """For a preset's cache entry: which folder to delete, or how to rebuild it."""
+    from warmcap.models.presets import rebuild_hint
+
+    return rebuild_hint(model_dir)
 
 
 def load_tokenizer(path: str | Path) -> Any:

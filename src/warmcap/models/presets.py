@@ -6,18 +6,19 @@
 
 The cache is ``$WARMCAP_CACHE`` (default ``~/.cache/warmcap``). A preset is built into a temporary
 directory and renamed into place, under a file lock, so concurrent processes never see half a model.
+``WARMCAP_REBUILD=1`` rebuilds each preset a process uses once (a damaged entry is replaced).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 from warmcap.errors import ModelLoadError
 from warmcap.models.presets_extra import EXTRA_PRESET_VERSIONS, EXTRA_PRESETS
@@ -45,22 +46,34 @@ def preset_dir(name: str, *, config_only: bool = False) -> Path:
     return cache_dir() / "models" / f"{name}-v{version}{suffix}"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+REBUILD_ENV = "WARMCAP_REBUILD"
+# Entries this process rebuilt under WARMCAP_REBUILD=1 (each once, not on every resolve).
+_rebuilt: set[Path] = set()
+
+
+def rebuild_hint(model_dir: Path) -> str:
+    """``"; ..."`` advice naming the cache folder to delete when ``model_dir`` is a preset's cache
+    entry (or inside one), else empty."""
+    try:
+        rel = Path(model_dir).resolve().relative_to((cache_dir() / "models").resolve())
+    except ValueError:
+        return ""
+    if not rel.parts:
+        return ""
+    entry = cache_dir() / "models" / rel.parts[0]
+    return f"; it is a preset cache entry: delete the folder {str(entry)!r} or rerun with {REBUILD_ENV}=1"
 
 
 def _build_atomically(target: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` and rename ``tmp`` to ``target`` unless another process got there first."""
-    if target.is_dir():
+    """Run ``write(tmp)`` and rename ``tmp`` to ``target`` unless another process got there first
+    (or, under ``WARMCAP_REBUILD=1``, replace ``target`` once per process)."""
+    rebuild = os.environ.get(REBUILD_ENV) == "1" and target not in _rebuilt
+    if target.is_dir() and not rebuild:
         return target
-    with _locked(target.with_name(target.name + ".lock")):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.with_name(target.name + ".lock")):
+        if rebuild and target.is_dir():
+            shutil.rmtree(target)
         if target.is_dir():
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -69,6 +82,8 @@ def _build_atomically(target: Path, write: Callable[[Path], None]) -> Path:
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if rebuild:
+            _rebuilt.add(target)
     return target
 
 

@@ -193,12 +193,44 @@ def plan_warmup(
             except _DoesNotFit as exc:
                 last_error = str(exc)
                 n //= 2
-    needed = attempt.blocks_for_one()
+    smallest = _smallest_pool(config, kv_groups, max_encoder_len, lookahead)
+    if smallest is None:
+        raise CapacityError(
+            f"warmup cannot plan even one request: {last_error}. The pool is not the limit "
+            f"({num_blocks - 1} usable blocks): raise --max-model-len (or lower the speculative k)."
+        )
     raise CapacityError(
-        f"warmup cannot fit even one request: {last_error}. One warmup request needs {needed} blocks "
-        f"across {len(kv_groups)} KV group(s) plus the null block; the pool has {num_blocks - 1} usable. "
-        f"Raise --num-blocks to at least {needed + 1} (or lower --max-model-len / the speculative k)."
+        f"warmup cannot fit even one request: {last_error}. Its steps need a pool of {smallest} blocks "
+        f"across {len(kv_groups)} KV group(s) (null block included); the pool has {num_blocks}. "
+        f"Raise --num-blocks to at least {smallest} (or lower --max-model-len / the speculative k)."
     )
+
+
+def _smallest_pool(config, kv_groups, max_encoder_len, lookahead) -> int | None:
+    """The fewest blocks (null block included) with which one warmup request's steps all fit, or
+    None when no pool size does (the limit is then max_model_len, not memory)."""
+
+    def fits(num_blocks: int) -> bool:
+        try:
+            _Attempt(config, kv_groups, num_blocks, max_encoder_len, lookahead).build(
+                1, boundary=False, mixed=False
+            )
+        except _DoesNotFit:
+            return False
+        return True
+
+    # One request never holds more than every group's count at max_model_len.
+    most = 1 + _Attempt(config, kv_groups, 2, max_encoder_len, lookahead).blocks_at_most()
+    if not fits(most):
+        return None
+    lo, hi = 2, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class _Attempt:
@@ -215,10 +247,11 @@ class _Attempt:
         # NOTE: one token longer than a uniform decode, so no prefill can pass for a decode batch.
         self.prompt_len = 1 + self.q
 
-    def blocks_for_one(self) -> int:
+    def blocks_at_most(self) -> int:
+        """Blocks one request holds at ``max_model_len`` tokens, summed over the groups."""
         sim = _Simulator(self.config, self.groups, self.num_blocks, self.max_encoder_len, self.lookahead)
         return sim.manager.blocks_needed(
-            self.prompt_len + self.q,
+            self.config.max_model_len,
             num_lookahead_tokens=self.lookahead,
             num_encoder_tokens=self.max_encoder_len,
         )
