@@ -7,25 +7,31 @@ Each ``step``: ``schedule`` -> ``execute_model`` -> ``update_from_output`` -> ou
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from warmcap.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.core.kv_cache_manager import KVCacheManager
+from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
 from warmcap.drafters import build_drafter
-from warmcap.errors import ConfigError
+from warmcap.errors import ConfigError, NonFiniteLogitsError
 from warmcap.graphs.hook import graph_capture_hook
 from warmcap.kv_layout import build_kv_groups
 from warmcap.kv_sizing import num_kv_blocks
 from warmcap.metrics import SpecDecodeMetrics
+from warmcap.output_processor import TrackedRequest, apply_stop_strings, gather_samples, token_logprobs
+from warmcap.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from warmcap.progress import progress_bar
+from warmcap.prompts import PromptType, check_token_ids, encode_text, split_prompt
 from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
 from warmcap.sampling_params import SamplingParams
 from warmcap.warmup.hook import warmup_hook
@@ -36,38 +42,8 @@ StartupHook = Callable[["LLMEngine"], None]
 DEFAULT_STARTUP_HOOKS: list[StartupHook] = [warmup_hook, graph_capture_hook]
 
 
-@dataclass(slots=True)
-class RequestMetrics:
-    """Timestamps (``time.monotonic``) and counters of one request."""
-
-    arrival_time: float
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's progress so far; ``finished`` once ``finish_reason`` is set."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    finished: bool = False
-    new_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    prompt: str | None
-    metrics: RequestMetrics
+# The engine's per-request record (the name ``LLMEngine.__init__`` annotates ``_requests`` with).
+_Tracked = TrackedRequest
 
 
 def resolve_device(name: str) -> torch.device:
@@ -167,42 +143,98 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+        """Queue one prompt (text, token ids, or a ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
+        dict); returns its request id. Everything is checked before anything is queued."""
         params = sampling_params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.n != 1:
+            raise ConfigError(
+                f"add_request queues one sample, got n={params.n}: use generate() for n samples, or add "
+                "n requests with their own seeds"
+            )
+        text, token_ids = self._prepare(prompt)
+        req_id = request_id if request_id is not None else self._next_id()
+        self._enqueue(req_id, text, token_ids, params)
+        return req_id
+
+    def _next_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def _prepare(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text, token_ids = split_prompt(prompt)
+        if token_ids is None:
+            token_ids = self.encode(text or "")
+        check_token_ids(token_ids, self.vocab_size)
+        return text, token_ids
+
+    def _enqueue(
+        self, req_id: str, text: str | None, token_ids: list[int], params: SamplingParams, index: int = 0
+    ) -> None:
         now = time.monotonic()
-        request = Request(req_id, token_ids, params, arrival_time=now)
+        request = Request(req_id, list(token_ids), params, arrival_time=now)
         self.scheduler.add_request(request)
         self._requests[req_id] = _Tracked(
-            request, text, RequestMetrics(now, num_prompt_tokens=len(token_ids))
+            request, text, RequestMetrics(now, num_prompt_tokens=len(token_ids)), index=index
         )
-        return req_id
+        if params.logprobs is not None:
+            self._requests[req_id].logprobs = []
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may use: ``[0, vocab_size)``."""
+        return int(self.model.hf_config.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already finished."""
         self._requests.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
+    def _abort_all(self, request_ids: Iterable[str]) -> None:
+        for req_id in list(request_ids):
+            self.abort(req_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns an output for every request that gained tokens."""
-        sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute_model(sched_out)
-        results = self.scheduler.update_from_output(sched_out, runner_out)
+        """Run one scheduled step; returns an output for every request that gained tokens.
+
+        NOTE: any error inside the step (a failing forward, non-finite logits, Ctrl-C) aborts the
+        requests of that step and frees their blocks before it propagates; other queued requests
+        stay and the engine remains usable.
+        """
+        try:
+            sched_out = self.scheduler.schedule()
+        except BaseException:
+            self._abort_all(r.request_id for r in self.scheduler.running)
+            raise
+        try:
+            runner_out = self.runner.execute_model(sched_out)
+            logits = self._step_logits(sched_out)
+            results = self.scheduler.update_from_output(sched_out, runner_out)
+        except BaseException:
+            self._abort_all(sched_out.num_scheduled_tokens)
+            self._release_rows(
+                sched_out.finished_req_ids | sched_out.preempted_req_ids | set(sched_out.num_scheduled_tokens)
+            )
+            raise
         now = time.monotonic()
         outputs = []
         for res in results:
             tracked = self._requests.get(res.req_id)
             if tracked is None:
                 continue
+            res = apply_stop_strings(tracked, res, self.decode)
+            if res.finished and tracked.stop is not None:
+                self.scheduler.abort_request(res.req_id)  # frees its blocks now
+            if tracked.logprobs is not None and res.new_token_ids and logits is not None:
+                rows = logits[res.req_id][: len(res.new_token_ids)]
+                tracked.logprobs += token_logprobs(
+                    rows, res.new_token_ids, tracked.request.sampling_params.logprobs or 0, self.decode
+                )
             m = tracked.metrics
             if m.first_token_time is None and res.new_token_ids:
                 m.first_token_time = now
@@ -212,61 +244,126 @@ class LLMEngine:
             if res.finished:
                 m.finished_time = now
                 del self._requests[res.req_id]
-            outputs.append(self._output(tracked, res.new_token_ids, res.finish_reason, res.finished))
+            outputs.append(tracked.output(self.decode, res.new_token_ids, res.finish_reason))
         return outputs
 
-    def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams]
-    ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; outputs in prompt order."""
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids) and self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+    def _release_rows(self, req_ids: set[str]) -> None:
+        """Drop ``req_ids`` from the runner's persistent batch now: the failed step may never have
+        delivered them, and a preempted request must not find its old row when it resumes."""
+        # NOTE: the step's own error is the one worth reporting; a runner too broken to drop rows
+        # fails again, loudly, on the next step.
+        with contextlib.suppress(Exception):
+            self.runner.execute_model(SchedulerOutput(finished_req_ids=req_ids))
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it grows (deltas), running the engine meanwhile."""
+    def _step_logits(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor] | None:
+        """Each request's sampling logits rows of the step just run; raises when any is non-finite.
+
+        NOTE: a NaN row argmaxes to an arbitrary token, so a broken checkpoint would otherwise
+        "generate" silently; one reduction over the logits per step is the price of catching it.
+        """
+        logits = self.runner.last_logits
+        step = self.runner.last_step
+        if sched_out.is_empty or logits is None or step is None or not step.num_logits.any():
+            return None
+        owners = [r for r, n in zip(step.req_ids, step.num_logits.tolist(), strict=True) for _ in range(n)]
+        bad = (logits.isnan() | logits.isposinf()).any(dim=-1) | logits.isneginf().all(dim=-1)
+        if bool(bad.any()):
+            req_ids = sorted({owners[i] for i in bad.nonzero().flatten().tolist()})
+            raise NonFiniteLogitsError(
+                f"model {self.model_path} produced non-finite logits (NaN or Inf) for {len(req_ids)} "
+                f"request(s) ({', '.join(req_ids)}), so no token can be sampled; its weights hold NaN/Inf "
+                f"or overflow {self.config.model.dtype}: check the checkpoint, or try dtype float32"
+            )
+        rows: dict[str, torch.Tensor] = {}
+        start = 0
+        for req_id, n in zip(step.req_ids, step.num_logits.tolist(), strict=True):
+            if n:
+                rows[req_id] = logits[start : start + n]
+                start += n
+        return rows
+
+    def generate(
+        self,
+        prompts: Sequence[PromptType],
+        params: Sequence[SamplingParams],
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; one output per prompt, in prompt order, holding ``n``
+        completions each. Only this call's requests are returned; on any error (Ctrl-C included)
+        they are all aborted and their blocks freed before the error propagates."""
+        groups: list[tuple[str, list[str]]] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                text, token_ids = self._prepare(prompt)
+                parent = self._next_id()
+                children = [parent] if sp.n == 1 else [f"{parent}-{i}" for i in range(sp.n)]
+                groups.append((parent, children))
+                for i, child in enumerate(children):
+                    self._enqueue(child, text, token_ids, _sample_params(sp, i), index=i)
+            done = self._run_to_completion([c for _, cs in groups for c in cs], use_tqdm)
+        except BaseException:
+            self._abort_all(c for _, cs in groups for c in cs)
+            raise
+        return [
+            done[cs[0]] if len(cs) == 1 else gather_samples([done[c] for c in cs], parent)
+            for parent, cs in groups
+        ]
+
+    def _run_to_completion(self, req_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        tracked = {r: self._requests[r] for r in req_ids}
+        done: dict[str, RequestOutput] = {}
+        with progress_bar(len(req_ids), enabled=use_tqdm) as advance:
+            while len(done) < len(req_ids) and self.has_unfinished():
+                for out in self.step():
+                    if out.finished and out.request_id in tracked and out.request_id not in done:
+                        done[out.request_id] = out
+                        advance()
+        for req_id, t in tracked.items():
+            if req_id not in done:  # aborted by another caller meanwhile
+                done[req_id] = t.output(self.decode, [], "abort")
+        return done
+
+    def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it grows (deltas), running the engine meanwhile.
+
+        Closing the iterator early (or an error) aborts the request.
+        """
         req_id = self.add_request(prompt, params)
+        stops = (params or SamplingParams()).stop
+        # Text that may turn out to start a stop string is held back until it is decided.
+        hold = max(map(len, stops), default=1) - 1
         shown = ""
         finished = False
-        while not finished and self.has_unfinished():
-            for out in self.step():
-                if out.request_id != req_id:
-                    continue
-                finished = out.finished
-                # A token may complete a multi-byte character only with the next one: hold back "�".
-                text = out.text if finished else out.text.rstrip("\ufffd")
-                if len(text) > len(shown) and text.startswith(shown):
-                    yield text[len(shown) :]
-                    shown = text
+        try:
+            while not finished and self.has_unfinished():
+                for out in self.step():
+                    if out.request_id != req_id:
+                        continue
+                    finished = out.finished
+                    # A token may complete a multi-byte character only with the next one: hold back "�".
+                    text = out.text
+                    if not finished:
+                        text = text.rstrip("\ufffd")
+                        text = text[: max(0, len(text) - hold)]
+                    if len(text) > len(shown) and text.startswith(shown):
+                        yield text[len(shown) :]
+                        shown = text
+        finally:
+            if not finished:
+                self.abort(req_id)
 
     # ---- text ----------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
+        """A text prompt's token ids with the tokenizer's own special tokens (BOS where it adds one),
+        as ``transformers`` and vLLM encode it."""
         if self.tokenizer is None:
             raise ConfigError(f"{self.model_path} has no tokenizer: pass prompt token ids instead of text")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(self.tokenizer, text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _output(self, tracked: _Tracked, new: list[int], reason: str | None, finished: bool) -> RequestOutput:
-        req = tracked.request
-        tokens = list(req.output_token_ids)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=self.decode(tokens),
-            token_ids=tokens,
-            finish_reason=reason,
-            metrics=tracked.metrics,
-            finished=finished,
-            new_token_ids=list(new),
-        )
 
 
 def _try_tokenizer(load: Callable[[Path], Any], path: Path) -> Any:
@@ -296,6 +393,8 @@ _KWARG_TARGETS: dict[str, tuple[str, str]] = {
     "block_size": ("cache", "block_size"),
     "num_blocks": ("cache", "num_blocks"),
     "memory_fraction": ("cache", "memory_fraction"),
+    # vLLM's name for the share of device memory the engine may take (here: the KV pool's share).
+    "gpu_memory_utilization": ("cache", "memory_fraction"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "mamba_cache_mode": ("cache", "mamba_cache_mode"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
@@ -307,10 +406,20 @@ LLM_KWARGS: tuple[str, ...] = (*_KWARG_TARGETS, "speculative_config", "kv_role")
 
 
 def build_config(model: str, **kwargs: Any) -> EngineConfig:
-    """An :class:`EngineConfig` from ``LLM``'s flat keyword arguments."""
+    """An :class:`EngineConfig` from ``LLM``'s flat keyword arguments.
+
+    ``dtype="auto"`` is resolved here: see :func:`auto_dtype`.
+    """
     unknown = sorted(set(kwargs) - set(LLM_KWARGS))
     if unknown:
         raise ConfigError(f"unknown LLM argument(s) {unknown}; valid: {', '.join(sorted(LLM_KWARGS))}")
+    if "memory_fraction" in kwargs and "gpu_memory_utilization" in kwargs:
+        raise ConfigError(
+            "memory_fraction and gpu_memory_utilization name the same setting: pass only one "
+            f"(got {kwargs['memory_fraction']} and {kwargs['gpu_memory_utilization']})"
+        )
+    if kwargs.get("dtype") == "auto":
+        kwargs["dtype"] = auto_dtype(model, kwargs.get("device", "auto"))
     parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
     for name, value in kwargs.items():
         if name in _KWARG_TARGETS:
@@ -325,8 +434,29 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
     )
 
 
+def auto_dtype(model: str, device: str = "auto") -> str:
+    """``dtype="auto"``: the checkpoint's own dtype (``torch_dtype`` in its config.json, float32 when
+    absent) on CUDA, and float32 on CPU.
+
+    NOTE: vLLM's auto runs float32 checkpoints in float16; warmcap keeps float32, and on CPU (its
+    reference path, where parity with ``transformers`` is tested) it always computes in float32.
+    """
+    if resolve_device(device).type != "cuda":
+        return "float32"
+    from warmcap.models.loader import load_hf_config
+
+    hf_config = load_hf_config(resolve_model_path(model))
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(named).removeprefix("torch.") if named is not None else "float32"
+    return name if name in DTYPES else "float32"
+
+
 class LLM:
-    """Offline generation: ``LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=8))``."""
+    """Offline generation: ``LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=8))``.
+
+    Keyword arguments are vLLM's where warmcap has the setting (``gpu_memory_utilization``,
+    ``dtype="auto"``, ``speculative_config``, ...); see :data:`LLM_KWARGS`.
+    """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
         self.engine = LLMEngine(build_config(model, **kwargs))
@@ -335,18 +465,27 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (None when the model folder has none), as vLLM's ``LLM`` gives it."""
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        use_tqdm: bool = False,
         use_chat_template: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in prompt order."""
-        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        """Generate for each prompt; one :class:`RequestOutput` per prompt, in prompt order.
+
+        A prompt is a text, a list of token ids, or a dict with ``prompt`` or ``prompt_token_ids``;
+        a single prompt may be passed bare. ``use_tqdm`` shows a progress bar on a terminal.
+        """
+        items = _prompt_list(prompts)
         if use_chat_template:
-            items = [self._chat_prompt([{"role": "user", "content": p}]) for p in items]
-        return self.engine.generate(items, _per_prompt(sampling_params, len(items)))
+            items = [self._chat_prompt([{"role": "user", "content": _chat_text(p)}]) for p in items]
+        return self.engine.generate(items, _per_prompt(sampling_params, len(items)), use_tqdm=use_tqdm)
 
     def chat(
         self, messages: Sequence[dict[str, str]], sampling_params: SamplingParams | None = None
@@ -369,10 +508,36 @@ class LLM:
             raise ConfigError(
                 f"{self.engine.model_path} has no chat template: call generate() with plain prompts"
             )
+        # The template writes BOS itself when the model wants one; tokenizing it adds no second one.
         ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """A bare prompt (text, dict, or a flat list of token ids, as vLLM reads one) as a list of one."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]
+    return items
+
+
+def _chat_text(prompt: PromptType) -> str:
+    text, _ = split_prompt(prompt)
+    if not isinstance(prompt, (str, Mapping)) or text is None:
+        raise ConfigError("use_chat_template needs text prompts; token id prompts are already templated")
+    return text
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The settings of a prompt's ``index``-th sample: one sample each; a seed moves on by the index
+    so the samples differ (as vLLM seeds parallel samples)."""
+    if params.n == 1:
+        return params
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -386,8 +551,10 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
 __all__ = [
     "DEFAULT_STARTUP_HOOKS",
     "LLM",
+    "CompletionOutput",
     "LLMEngine",
     "RequestMetrics",
     "RequestOutput",
+    "auto_dtype",
     "build_config",
 ]

@@ -118,6 +118,9 @@ class ModelRunner:
         self.last_step: StepInputs | None = None
         self.last_hidden_states: torch.Tensor | None = None
         self.last_positions: torch.Tensor | None = None
+        # Sampling logits [N, V] of the latest step (rows as in ``logits_hook``), for logprobs and
+        # the engine's non-finite check.
+        self.last_logits: torch.Tensor | None = None
         # Target layers whose input hidden states drafters read (EAGLE-3, DFlash); filled per forward.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.last_aux_hidden_states: list[torch.Tensor] = []
@@ -223,6 +226,7 @@ class ModelRunner:
         if n == 0:
             return [[] for _ in step.req_ids]
         logits = self.model.compute_logits(hidden[self.buffers.logits_indices[:n]])
+        self.last_logits = logits
         if self.logits_hook is not None:
             self.logits_hook(step.req_ids, step.num_logits, logits)
         samples = (step.num_logits > 0).tolist()
