@@ -234,3 +234,30 @@ def test_text_prompts_get_bos_as_transformers_encodes_them(bos_model: Path) -> N
     rendered = oracle.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert llm.generate(rendered, params)[0].prompt_token_ids == chat_ids
     shutil.rmtree(bos_model.parent, ignore_errors=True)
+
+
+def test_min_tokens_holds_back_stop_tokens_until_reached(llm: LLM) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ids = llm.get_tokenizer().encode(PROMPT)
+    ref = llm.generate(ids, GREEDY)[0].token_ids
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+    stop = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[ref[k]])
+    [early] = llm.generate(ids, stop)
+    assert (early.token_ids, early.finish_reason, early.outputs[0].stop_reason) == (
+        ref[: k + 1],
+        "stop",
+        ref[k],
+    )
+
+    held = SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[ref[k]], min_tokens=k + 3
+    )
+    [late] = llm.generate(ids, held)
+    assert late.token_ids[:k] == ref[:k] and ref[k] not in late.token_ids[: k + 3]
+    # the held-back position takes the model's next best token (transformers as the oracle)
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + ref[:k]])).logits[0, -1]
+    assert logits.topk(2).indices.tolist() == [ref[k], late.token_ids[k]]
+    _assert_pool_clean(llm)

@@ -58,3 +58,11 @@ def test_vllm_spellings_are_accepted() -> None:
     assert SamplingParams(temperature=0).greedy  # an int temperature is a number
     p = SamplingParams(n=3, logprobs=5, min_tokens=4, max_tokens=8, stop_token_ids=[7, 8])
     assert (p.n, p.logprobs, p.min_tokens, p.stop_token_ids) == (3, 5, 4, (7, 8))
+
+
+def test_min_tokens_holds_back_eos_unless_ignored() -> None:
+    p = SamplingParams(stop_token_ids=[5], min_tokens=2)
+    assert p.all_stop_token_ids == (5,)
+    assert p.with_eos(0).all_stop_token_ids == (5, 0)
+    assert p.with_eos(5).all_stop_token_ids == (5,)
+    assert SamplingParams(min_tokens=2, ignore_eos=True).with_eos(0).all_stop_token_ids == ()

@@ -174,6 +174,8 @@ class LLMEngine:
         self, req_id: str, text: str | None, token_ids: list[int], params: SamplingParams, index: int = 0
     ) -> None:
         now = time.monotonic()
+        if params.min_tokens:
+            params = params.with_eos(self.scheduler.eos_token_id)
         request = Request(req_id, list(token_ids), params, arrival_time=now)
         self.scheduler.add_request(request)
         self._requests[req_id] = _Tracked(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from warmcap.errors import ConfigError
 
@@ -43,6 +43,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    #: ``stop_token_ids`` plus the model's EOS unless ``ignore_eos``: the tokens ``min_tokens`` holds
+    #: back. The engine fills it (:meth:`with_eos`) when it queues a request.
+    all_stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -59,6 +62,7 @@ class SamplingParams:
             raise ConfigError(f"stop_token_ids must be a list of token ids; got {stop_ids!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        object.__setattr__(self, "all_stop_token_ids", self.stop_token_ids)
         for ok, message in self._checks():
             if not ok:
                 raise ConfigError(message)
@@ -94,6 +98,13 @@ class SamplingParams:
                 f"min_tokens ({mn}) must not exceed max_tokens ({mt})",
             ),
         ]
+
+    def with_eos(self, eos_token_id: int | None) -> SamplingParams:
+        """A copy whose ``all_stop_token_ids`` include ``eos_token_id`` (unless ``ignore_eos``)."""
+        params = replace(self)
+        eos = () if eos_token_id is None or self.ignore_eos else (eos_token_id,)
+        object.__setattr__(params, "all_stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids + eos)))
+        return params
 
     @property
     def greedy(self) -> bool:

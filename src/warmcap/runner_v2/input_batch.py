@@ -83,6 +83,9 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        # Until a row has min_tokens outputs, its stop tokens (EOS included) cannot be sampled.
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.min_tokens_stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs))
@@ -146,6 +149,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = 0
         self.num_computed[row] = 0
         self.generators[row] = None
+        self.min_tokens[row] = 0
+        self.min_tokens_stop_ids[row] = ()
         heapq.heappush(self._free_rows, row)
         return row
 
@@ -163,11 +168,31 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.min_tokens[row] = params.min_tokens
+        self.min_tokens_stop_ids[row] = params.all_stop_token_ids
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator()
             gen.manual_seed(params.seed)
         self.generators[row] = gen
+
+    def mask_stop_tokens(self, logits: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """``logits`` (rows as ``step.logits_indices``) with each row's stop tokens set to -inf while
+        the token it samples would come before its request's ``min_tokens``-th output."""
+        rows = step.rows
+        num_out = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        if not (self.min_tokens[rows] > num_out).any():
+            return logits
+        logits = logits.clone()
+        first = 0
+        for row, done, n in zip(rows.tolist(), num_out.tolist(), step.num_logits.tolist(), strict=True):
+            # The j-th logits row of a request samples its (done + j)-th output token.
+            held = min(max(int(self.min_tokens[row]) - done, 0), n)
+            stop_ids = self.min_tokens_stop_ids[row]
+            if held and stop_ids:
+                logits[first : first + held, list(stop_ids)] = float("-inf")
+            first += n
+        return logits
 
     # ---- one step's inputs ---------------------------------------------------------------------
 
