@@ -187,7 +187,7 @@ def generate(
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
 ) -> None:
     """Generate text, streamed as it comes; with --spec, acceptance stats follow."""
-    from warmcap.engine import LLM
+    from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
 
     params = SamplingParams(
