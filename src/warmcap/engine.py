@@ -179,10 +179,12 @@ class LLMEngine:
         request = Request(req_id, list(token_ids), params, arrival_time=now)
         self.scheduler.add_request(request)
         self._requests[req_id] = _Tracked(
-            request, text, RequestMetrics(now, num_prompt_tokens=len(token_ids)), index=index
+            request,
+            text,
+            RequestMetrics(now, num_prompt_tokens=len(token_ids)),
+            index=index,
+            logprobs=None if params.logprobs is None else [],
         )
-        if params.logprobs is not None:
-            self._requests[req_id].logprobs = []
 
     @property
     def vocab_size(self) -> int:
@@ -261,16 +263,18 @@ class LLMEngine:
         """Each request's sampling logits rows of the step just run; raises when any is non-finite.
 
         NOTE: a NaN row argmaxes to an arbitrary token, so a broken checkpoint would otherwise
-        "generate" silently; one reduction over the logits per step is the price of catching it.
+        "generate" silently. NaN or Inf anywhere in a row makes the row's sum non-finite, so one
+        reduction per step catches it (raw logits are never masked to -inf).
         """
         logits = self.runner.last_logits
         step = self.runner.last_step
         if sched_out.is_empty or logits is None or step is None or not step.num_logits.any():
             return None
-        owners = [r for r, n in zip(step.req_ids, step.num_logits.tolist(), strict=True) for _ in range(n)]
-        bad = (logits.isnan() | logits.isposinf()).any(dim=-1) | logits.isneginf().all(dim=-1)
-        if bool(bad.any()):
-            req_ids = sorted({owners[i] for i in bad.nonzero().flatten().tolist()})
+        counts = step.num_logits.tolist()
+        finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        if not bool(finite.all()):
+            owners = [r for r, n in zip(step.req_ids, counts, strict=True) for _ in range(n)]
+            req_ids = sorted({owners[i] for i in (~finite).nonzero().flatten().tolist()})
             raise NonFiniteLogitsError(
                 f"model {self.model_path} produced non-finite logits (NaN or Inf) for {len(req_ids)} "
                 f"request(s) ({', '.join(req_ids)}), so no token can be sampled; its weights hold NaN/Inf "
@@ -278,7 +282,7 @@ class LLMEngine:
             )
         rows: dict[str, torch.Tensor] = {}
         start = 0
-        for req_id, n in zip(step.req_ids, step.num_logits.tolist(), strict=True):
+        for req_id, n in zip(step.req_ids, counts, strict=True):
             if n:
                 rows[req_id] = logits[start : start + n]
                 start += n
