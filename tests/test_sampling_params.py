@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from warmcap.errors import ConfigError
@@ -56,6 +57,7 @@ def test_vllm_spellings_are_accepted() -> None:
     assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
     assert SamplingParams(stop=None).stop == ()
     assert SamplingParams(temperature=0).greedy  # an int temperature is a number
+    assert SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(4)).max_tokens == 4
     p = SamplingParams(n=3, logprobs=5, min_tokens=4, max_tokens=8, stop_token_ids=[7, 8])
     assert (p.n, p.logprobs, p.min_tokens, p.stop_token_ids) == (3, 5, 4, (7, 8))
 

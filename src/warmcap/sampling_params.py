@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from warmcap.errors import ConfigError
 
 
 def _is_int(value: object) -> bool:
-    # NOTE: bool is a subclass of int; True is not a token count.
-    return isinstance(value, int) and not isinstance(value, bool)
+    # NOTE: bool is a subclass of int; True is not a token count. numpy integers are integers.
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return (
+        isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
+    )
 
 
 @dataclass(frozen=True, slots=True)
