@@ -261,3 +261,46 @@ def test_min_tokens_holds_back_stop_tokens_until_reached(llm: LLM) -> None:
         logits = hf(torch.tensor([ids + ref[:k]])).logits[0, -1]
     assert logits.topk(2).indices.tolist() == [ref[k], late.token_ids[k]]
     _assert_pool_clean(llm)
+
+
+def _hf(llm: LLM):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(llm.engine.model_path), dtype=torch.float32).eval()
+
+
+def test_repetition_penalty_matches_transformers(llm: LLM) -> None:
+    ids = llm.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
+    [out] = llm.generate(ids, params)
+    hf = _hf(llm)
+    hf.generation_config.eos_token_id = None
+    want = hf.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=16, repetition_penalty=1.8, pad_token_id=0
+    )
+    assert out.token_ids == want[0, len(ids) :].tolist()
+    assert out.token_ids != llm.generate(ids, GREEDY)[0].token_ids[:16]  # the penalty changed something
+
+
+def test_presence_and_frequency_penalties_match_a_full_recompute(llm: LLM) -> None:
+    """Greedy with vLLM's formula (logit - frequency * count - presence * [count > 0], over output
+    tokens only) applied to transformers' logits, recomputed from scratch at every step."""
+    ids = llm.get_tokenizer().encode(PROMPT)
+    hf = _hf(llm)
+    for presence, frequency in ((1.5, 0.0), (0.0, 0.7), (-0.5, 1.2)):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            ignore_eos=True,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+        )
+        [out] = llm.generate(ids, params)
+        generated: list[int] = []
+        with torch.no_grad():
+            for _ in range(12):
+                logits = hf(torch.tensor([ids + generated])).logits[0, -1]
+                counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0])
+                logits = logits - frequency * counts - presence * (counts > 0)
+                generated.append(int(logits.argmax()))
+        assert out.token_ids == generated, (presence, frequency)

@@ -43,6 +43,10 @@ from warmcap.sampling_params import SamplingParams
         ({"logprobs": 1.5}, "logprobs"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(kwargs: dict, field: str) -> None:

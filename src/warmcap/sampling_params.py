@@ -32,7 +32,9 @@ class SamplingParams:
     occurrence (excluded from the text unless ``include_stop_str_in_output``), finish reason "stop";
     ``logprobs`` N returns, per generated token, the sampled token's and the N most likely tokens'
     log-probabilities under the model's raw distribution; ``min_tokens`` tokens are generated before
-    EOS, ``stop_token_ids`` or a stop string may end the request.
+    EOS, ``stop_token_ids`` or a stop string may end the request; ``repetition_penalty`` divides
+    positive (multiplies negative) logits of tokens in the prompt or output, ``presence_penalty`` and
+    ``frequency_penalty`` subtract per output token seen (once, or per occurrence).
     """
 
     temperature: float = 1.0
@@ -48,6 +50,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     #: ``stop_token_ids`` plus the model's EOS unless ``ignore_eos``: the tokens ``min_tokens`` holds
     #: back. The engine fills it (:meth:`with_eos`) when it queues a request.
     all_stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -101,6 +106,18 @@ class SamplingParams:
             (
                 not (_is_int(mn) and _is_int(mt)) or mn <= mt,
                 f"min_tokens ({mn}) must not exceed max_tokens ({mt})",
+            ),
+            (
+                _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                f"repetition_penalty must be a finite number > 0 (1 is off); got {self.repetition_penalty!r}",
+            ),
+            (
+                _is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be a number in [-2, 2] (0 is off); got {self.presence_penalty!r}",
+            ),
+            (
+                _is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be a number in [-2, 2] (0 is off); got {self.frequency_penalty!r}",
             ),
         ]
 

@@ -229,7 +229,7 @@ class ModelRunner:
         self.last_logits = logits
         if self.logits_hook is not None:
             self.logits_hook(step.req_ids, step.num_logits, logits)
-        logits = self.batch.mask_stop_tokens(logits, step)
+        logits = self.batch.process_logits(logits, step)
         samples = (step.num_logits > 0).tolist()
         meta = self.sampling_metadata(np.repeat(step.rows, step.num_logits))
         drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]
