@@ -304,3 +304,38 @@ def test_presence_and_frequency_penalties_match_a_full_recompute(llm: LLM) -> No
                 logits = logits - frequency * counts - presence * (counts > 0)
                 generated.append(int(logits.argmax()))
         assert out.token_ids == generated, (presence, frequency)
+
+
+def test_speculative_decoding_keeps_every_sampling_setting_exact(llm: LLM) -> None:
+    """With a model drafting for itself every verify step carries several rows per request: the
+    penalties, min_tokens, logprobs and stop strings of each row must be those of plain decoding."""
+    spec = LLM(
+        "tiny-llama",
+        device="cpu",
+        max_model_len=128,
+        num_blocks=64,
+        block_size=16,
+        speculative_config="draft_model:3",
+    )
+    ids = llm.get_tokenizer().encode(PROMPT)
+    ref = llm.generate(ids, GREEDY)[0]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.4, logprobs=2),
+        SamplingParams(
+            temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.3
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[ref.token_ids[1]], min_tokens=6
+        ),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=_stop_string(ref.text)),
+    ]
+    want = llm.generate([ids] * len(params), params)
+    got = spec.generate([ids] * len(params), params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.text for o in got] == [o.text for o in want]
+    for g, w in zip(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs, strict=True):
+        assert list(g) == list(w)
+        torch.testing.assert_close(
+            torch.tensor([x.logprob for x in g.values()]), torch.tensor([x.logprob for x in w.values()])
+        )
+    assert spec.engine.spec_metrics.num_accepted_tokens > 0  # drafts were really verified
