@@ -136,7 +136,8 @@ def test_llm_api_text_stream_chat_abort_and_hooks() -> None:
     assert len(out.token_ids) == 8 and out.text == llm.tokenizer.decode(
         out.token_ids, skip_special_tokens=True
     )
-    assert out.prompt_token_ids == llm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    # the tokenizer's own special-token policy, as transformers and vLLM encode a text prompt
+    assert out.prompt_token_ids == llm.tokenizer("The capital of France is").input_ids
     assert "".join(llm.generate_stream("The capital of France is", greedy)) == out.text
     chat = llm.chat([{"role": "user", "content": "hello"}], greedy)
     [templated] = llm.generate("hello", greedy, use_chat_template=True)
@@ -156,7 +157,9 @@ def test_smollm2_greedy_matches_transformers() -> None:
     path = resolve_model("smollm2-135m")
     llm = LLM(str(path), device="cpu", max_model_len=256, max_num_batched_tokens=64, num_blocks=128)
     prompts = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3, 4,"]
-    ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    ids = [llm.tokenizer(p).input_ids for p in prompts]
     expected, _ = _hf_reference(path, ids)
-    outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    # text prompts, encoded by the engine as transformers encodes them
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outs] == ids
     assert [o.token_ids for o in outs] == expected

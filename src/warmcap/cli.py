@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from warmcap import __version__
-from warmcap.errors import WarmcapError
+from warmcap.errors import NonFiniteLogitsError, WarmcapError
 
 app = typer.Typer(
     name="warmup",
@@ -109,7 +109,7 @@ def _engine_config(
 @_user_errors
 def plan(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    spec: str = typer.Option("none", "--spec", "-s", help=SPEC_HELP),
+    spec: str = typer.Option("none", "--spec", "--speculative-config", "-s", help=SPEC_HELP),
     block_size: int = typer.Option(16, help="Tokens per KV block (a power of two)."),
     max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
     num_blocks: int = typer.Option(
@@ -161,7 +161,7 @@ def plan(
 def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    spec: str = typer.Option("none", "--spec", "-s", help=SPEC_HELP),
+    spec: str = typer.Option("none", "--spec", "--speculative-config", "-s", help=SPEC_HELP),
     max_tokens: int = typer.Option(64, help="Most new tokens."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
@@ -169,11 +169,13 @@ def generate(
     seed: int = typer.Option(None, help="Per-request sampling seed."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option(
+        "float32", help="float32, bfloat16, float16 or auto (the checkpoint's dtype on CUDA, float32 on CPU)."
+    ),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
 ) -> None:
     """Generate text, streamed as it comes; with --spec, acceptance stats follow."""
-    from warmcap.engine import LLM
+    from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -188,8 +190,13 @@ def generate(
     )
     use_chat = chat and getattr(llm.tokenizer, "chat_template", None) is not None
     out = Console()
-    for delta in llm.generate_stream(prompt, params, use_chat_template=use_chat):
-        out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
+    try:
+        for delta in llm.generate_stream(prompt, params, use_chat_template=use_chat):
+            out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
+    except NonFiniteLogitsError as exc:
+        # Not a usage error: the model itself is broken, so the exit code is 1, not 2.
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     out.print()
     stats = _spec_stats(llm)
     if stats:
@@ -217,6 +224,7 @@ def run(
     spec: str = typer.Option(
         DEFAULT_RUN_SPEC,
         "--spec",
+        "--speculative-config",
         "-s",
         help=SPEC_HELP + " Default: the model drafts for itself, a method that writes draft KV.",
     ),

@@ -1,4 +1,4 @@
-"""The engine loop and the user-facing ``LLM``.
+"""The engine loop: requests in, steps, outputs out (the user-facing ``LLM`` is in ``warmcap.llm``).
 
 Start-up: resolve the model -> load weights -> fill ``max_model_len`` -> KV groups -> size the pool
 -> KV cache manager, scheduler, runner -> start-up hooks (warmup, graph capture) -> ready.
@@ -7,25 +7,31 @@ Each ``step``: ``schedule`` -> ``execute_model`` -> ``update_from_output`` -> ou
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from warmcap.assembly import assemble, finish_config, resolve_device
-from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from warmcap.config import EngineConfig
 from warmcap.core.kv_cache_manager import KVCacheManager
+from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
 from warmcap.drafters import build_drafter
-from warmcap.errors import ConfigError
+from warmcap.errors import ConfigError, NonFiniteLogitsError
 from warmcap.graphs.hook import graph_capture_hook
 from warmcap.kv_sizing import free_memory_bytes
 from warmcap.metrics import SpecDecodeMetrics
+from warmcap.output_processor import TrackedRequest, apply_stop_strings, gather_samples, token_logprobs
+from warmcap.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from warmcap.progress import progress_bar
+from warmcap.prompts import PromptType, check_token_ids, encode_text, split_prompt
 from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
 from warmcap.sampling_params import SamplingParams
 from warmcap.warmup.hook import warmup_hook
@@ -36,38 +42,8 @@ StartupHook = Callable[["LLMEngine"], None]
 DEFAULT_STARTUP_HOOKS: list[StartupHook] = [warmup_hook, graph_capture_hook]
 
 
-@dataclass(slots=True)
-class RequestMetrics:
-    """Timestamps (``time.monotonic``) and counters of one request."""
-
-    arrival_time: float
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's progress so far; ``finished`` once ``finish_reason`` is set."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    metrics: RequestMetrics
-    finished: bool = False
-    new_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    prompt: str | None
-    metrics: RequestMetrics
+# The engine's per-request record (the name ``LLMEngine.__init__`` annotates ``_requests`` with).
+_Tracked = TrackedRequest
 
 
 def resolve_model_path(name: str) -> Path:
@@ -160,42 +136,102 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+        """Queue one prompt (text, token ids, or a ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
+        dict); returns its request id. Everything is checked before anything is queued."""
         params = sampling_params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.n != 1:
+            raise ConfigError(
+                f"add_request queues one sample, got n={params.n}: use generate() for n samples, or add "
+                "n requests with their own seeds"
+            )
+        text, token_ids = self._prepare(prompt)
+        req_id = request_id if request_id is not None else self._next_id()
+        self._enqueue(req_id, text, token_ids, params)
+        return req_id
+
+    def _next_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def _prepare(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text, token_ids = split_prompt(prompt)
+        if token_ids is None:
+            token_ids = self.encode(text or "")
+        check_token_ids(token_ids, self.vocab_size)
+        return text, token_ids
+
+    def _enqueue(
+        self, req_id: str, text: str | None, token_ids: list[int], params: SamplingParams, index: int = 0
+    ) -> None:
         now = time.monotonic()
-        request = Request(req_id, token_ids, params, arrival_time=now)
+        if params.min_tokens:
+            params = params.with_eos(self.scheduler.eos_token_id)
+        request = Request(req_id, list(token_ids), params, arrival_time=now)
         self.scheduler.add_request(request)
         self._requests[req_id] = _Tracked(
-            request, text, RequestMetrics(now, num_prompt_tokens=len(token_ids))
+            request,
+            text,
+            RequestMetrics(now, num_prompt_tokens=len(token_ids)),
+            index=index,
+            logprobs=None if params.logprobs is None else [],
         )
-        return req_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may use: ``[0, vocab_size)``."""
+        return int(self.model.hf_config.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already finished."""
         self._requests.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
+    def _abort_all(self, request_ids: Iterable[str]) -> None:
+        for req_id in list(request_ids):
+            self.abort(req_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns an output for every request that gained tokens."""
-        sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute_model(sched_out)
-        results = self.scheduler.update_from_output(sched_out, runner_out)
+        """Run one scheduled step; returns an output for every request that gained tokens.
+
+        NOTE: any error inside the step (a failing forward, non-finite logits, Ctrl-C) aborts the
+        requests of that step and frees their blocks before it propagates; other queued requests
+        stay and the engine remains usable.
+        """
+        try:
+            sched_out = self.scheduler.schedule()
+        except BaseException:
+            self._abort_all(r.request_id for r in self.scheduler.running)
+            raise
+        try:
+            runner_out = self.runner.execute_model(sched_out)
+            logits = self._step_logits(sched_out)
+            results = self.scheduler.update_from_output(sched_out, runner_out)
+        except BaseException:
+            self._abort_all(sched_out.num_scheduled_tokens)
+            self._release_rows(
+                sched_out.finished_req_ids | sched_out.preempted_req_ids | set(sched_out.num_scheduled_tokens)
+            )
+            raise
         now = time.monotonic()
         outputs = []
         for res in results:
             tracked = self._requests.get(res.req_id)
             if tracked is None:
                 continue
+            res = apply_stop_strings(tracked, res, self.decode)
+            if res.finished and tracked.stop is not None:
+                self.scheduler.abort_request(res.req_id)  # frees its blocks now
+            if tracked.logprobs is not None and res.new_token_ids and logits is not None:
+                rows = logits[res.req_id][: len(res.new_token_ids)]
+                tracked.logprobs += token_logprobs(
+                    rows, res.new_token_ids, tracked.request.sampling_params.logprobs or 0, self.decode
+                )
             m = tracked.metrics
             if m.first_token_time is None and res.new_token_ids:
                 m.first_token_time = now
@@ -205,61 +241,136 @@ class LLMEngine:
             if res.finished:
                 m.finished_time = now
                 del self._requests[res.req_id]
-            outputs.append(self._output(tracked, res.new_token_ids, res.finish_reason, res.finished))
+            outputs.append(tracked.output(self.decode, res.new_token_ids, res.finish_reason))
         return outputs
 
-    def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams]
-    ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; outputs in prompt order."""
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids) and self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+    def _release_rows(self, req_ids: set[str]) -> None:
+        """Drop ``req_ids`` from the runner's persistent batch now: the failed step may never have
+        delivered them, and a preempted request must not find its old row when it resumes."""
+        # NOTE: the step's own error is the one worth reporting; a runner too broken to drop rows
+        # fails again, loudly, on the next step.
+        with contextlib.suppress(Exception):
+            self.runner.execute_model(SchedulerOutput(finished_req_ids=req_ids))
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it grows (deltas), running the engine meanwhile."""
+    def _step_logits(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor] | None:
+        """Each request's sampling logits rows of the step just run; raises when any is non-finite.
+
+        NOTE: a NaN row argmaxes to an arbitrary token, so a broken checkpoint would otherwise
+        "generate" silently. NaN or Inf anywhere in a row makes the row's sum non-finite, so one
+        reduction per step catches it (raw logits are never masked to -inf).
+        """
+        logits = self.runner.last_logits
+        step = self.runner.last_step
+        if sched_out.is_empty or logits is None or step is None or not step.num_logits.any():
+            return None
+        counts = step.num_logits.tolist()
+        finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        if not bool(finite.all()):
+            owners = [r for r, n in zip(step.req_ids, counts, strict=True) for _ in range(n)]
+            req_ids = sorted({owners[i] for i in (~finite).nonzero().flatten().tolist()})
+            raise NonFiniteLogitsError(
+                f"model {self.model_path} produced non-finite logits (NaN or Inf) for {len(req_ids)} "
+                f"request(s) ({', '.join(req_ids)}), so no token can be sampled; its weights hold NaN/Inf "
+                f"or overflow {self.config.model.dtype}: check the checkpoint, or try dtype float32"
+            )
+        rows: dict[str, torch.Tensor] = {}
+        start = 0
+        for req_id, n in zip(step.req_ids, counts, strict=True):
+            if n:
+                rows[req_id] = logits[start : start + n]
+                start += n
+        return rows
+
+    def generate(
+        self,
+        prompts: Sequence[PromptType],
+        params: Sequence[SamplingParams],
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; one output per prompt, in prompt order, holding ``n``
+        completions each. Only this call's requests are returned; on any error (Ctrl-C included)
+        they are all aborted and their blocks freed before the error propagates."""
+        groups: list[tuple[str, list[str]]] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                text, token_ids = self._prepare(prompt)
+                parent = self._next_id()
+                children = [parent] if sp.n == 1 else [f"{parent}-{i}" for i in range(sp.n)]
+                groups.append((parent, children))
+                for i, child in enumerate(children):
+                    self._enqueue(child, text, token_ids, _sample_params(sp, i), index=i)
+            done = self._run_to_completion([c for _, cs in groups for c in cs], use_tqdm)
+        except BaseException:
+            self._abort_all(c for _, cs in groups for c in cs)
+            raise
+        return [
+            done[cs[0]] if len(cs) == 1 else gather_samples([done[c] for c in cs], parent)
+            for parent, cs in groups
+        ]
+
+    def _run_to_completion(self, req_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        tracked = {r: self._requests[r] for r in req_ids}
+        done: dict[str, RequestOutput] = {}
+        with progress_bar(len(req_ids), enabled=use_tqdm) as advance:
+            while len(done) < len(req_ids) and self.has_unfinished():
+                for out in self.step():
+                    if out.finished and out.request_id in tracked and out.request_id not in done:
+                        done[out.request_id] = out
+                        advance()
+        for req_id, t in tracked.items():
+            if req_id not in done:  # aborted by another caller meanwhile
+                done[req_id] = t.output(self.decode, [], "abort")
+        return done
+
+    def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it grows (deltas), running the engine meanwhile.
+
+        Closing the iterator early (or an error) aborts the request.
+        """
         req_id = self.add_request(prompt, params)
+        stops = (params or SamplingParams()).stop
+        # Text that may turn out to start a stop string is held back until it is decided.
+        hold = max(map(len, stops), default=1) - 1
         shown = ""
         finished = False
-        while not finished and self.has_unfinished():
-            for out in self.step():
-                if out.request_id != req_id:
-                    continue
-                finished = out.finished
-                # A token may complete a multi-byte character only with the next one: hold back "�".
-                text = out.text if finished else out.text.rstrip("\ufffd")
-                if len(text) > len(shown) and text.startswith(shown):
-                    yield text[len(shown) :]
-                    shown = text
+        try:
+            while not finished and self.has_unfinished():
+                for out in self.step():
+                    if out.request_id != req_id:
+                        continue
+                    finished = out.finished
+                    # A token may complete a multi-byte character only with the next one: hold back "�".
+                    text = out.text
+                    if not finished:
+                        text = text.rstrip("\ufffd")
+                        text = text[: max(0, len(text) - hold)]
+                    if len(text) > len(shown) and text.startswith(shown):
+                        yield text[len(shown) :]
+                        shown = text
+        finally:
+            if not finished:
+                self.abort(req_id)
 
     # ---- text ----------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
+        """A text prompt's token ids with the tokenizer's own special tokens (BOS where it adds one),
+        as ``transformers`` and vLLM encode it."""
         if self.tokenizer is None:
             raise ConfigError(f"{self.model_path} has no tokenizer: pass prompt token ids instead of text")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(self.tokenizer, text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _output(self, tracked: _Tracked, new: list[int], reason: str | None, finished: bool) -> RequestOutput:
-        req = tracked.request
-        tokens = list(req.output_token_ids)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=self.decode(tokens),
-            token_ids=tokens,
-            finish_reason=reason,
-            metrics=tracked.metrics,
-            finished=finished,
-            new_token_ids=list(new),
-        )
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The settings of a prompt's ``index``-th sample: one sample each; a seed moves on by the index
+    so the samples differ (as vLLM seeds parallel samples)."""
+    if params.n == 1:
+        return params
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
 def _try_tokenizer(load: Callable[[Path], Any], path: Path) -> Any:
@@ -278,109 +389,23 @@ def _eos_id(tokenizer: Any, hf_config: Any) -> int | None:
     return eos
 
 
-# ---- LLM: flat keyword arguments -> EngineConfig ------------------------------------------------
-
-_KWARG_TARGETS: dict[str, tuple[str, str]] = {
-    "dtype": ("model", "dtype"),
-    "device": ("model", "device"),
-    "seed": ("model", "seed"),
-    "enforce_eager": ("model", "enforce_eager"),
-    "batch_invariant": ("model", "batch_invariant"),
-    "block_size": ("cache", "block_size"),
-    "num_blocks": ("cache", "num_blocks"),
-    "memory_fraction": ("cache", "memory_fraction"),
-    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "mamba_cache_mode": ("cache", "mamba_cache_mode"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "max_model_len": ("scheduler", "max_model_len"),
-    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
-}
-LLM_KWARGS: tuple[str, ...] = (*_KWARG_TARGETS, "speculative_config", "kv_role")
+# ``LLM`` and its keyword arguments live in ``warmcap.llm``; importing them from here still works.
+_LLM_NAMES = ("LLM", "LLM_KWARGS", "auto_dtype", "build_config")
 
 
-def build_config(model: str, **kwargs: Any) -> EngineConfig:
-    """An :class:`EngineConfig` from ``LLM``'s flat keyword arguments."""
-    unknown = sorted(set(kwargs) - set(LLM_KWARGS))
-    if unknown:
-        raise ConfigError(f"unknown LLM argument(s) {unknown}; valid: {', '.join(sorted(LLM_KWARGS))}")
-    parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
-    for name, value in kwargs.items():
-        if name in _KWARG_TARGETS:
-            part, attr = _KWARG_TARGETS[name]
-            parts[part][attr] = value
-    return EngineConfig(
-        model=ModelConfig(**parts["model"]),
-        cache=CacheConfig(**parts["cache"]),
-        scheduler=SchedulerConfig(**parts["scheduler"]),
-        speculative=SpeculativeConfig.parse(kwargs.get("speculative_config")),
-        kv_role=kwargs.get("kv_role", "none"),
-    )
+def __getattr__(name: str) -> Any:
+    # NOTE: lazy, since warmcap.llm imports this module.
+    if name in _LLM_NAMES:
+        from warmcap import llm
 
-
-class LLM:
-    """Offline generation: ``LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=8))``."""
-
-    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        self.engine = LLMEngine(build_config(model, **kwargs))
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_chat_template: bool = False,
-    ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in prompt order."""
-        items = [prompts] if isinstance(prompts, str) else list(prompts)
-        if use_chat_template:
-            items = [self._chat_prompt([{"role": "user", "content": p}]) for p in items]
-        return self.engine.generate(items, _per_prompt(sampling_params, len(items)))
-
-    def chat(
-        self, messages: Sequence[dict[str, str]], sampling_params: SamplingParams | None = None
-    ) -> RequestOutput:
-        """Answer one conversation (``[{"role": ..., "content": ...}, ...]``) via the chat template."""
-        return self.engine.generate([self._chat_prompt(messages)], [sampling_params or SamplingParams()])[0]
-
-    def generate_stream(
-        self, prompt: str, sampling_params: SamplingParams | None = None, *, use_chat_template: bool = False
-    ) -> Iterator[str]:
-        """Yield text deltas of one prompt as they are generated."""
-        item: str | list[int] = (
-            self._chat_prompt([{"role": "user", "content": prompt}]) if use_chat_template else prompt
-        )
-        return self.engine.stream(item, sampling_params)
-
-    def _chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ConfigError(
-                f"{self.engine.model_path} has no chat template: call generate() with plain prompts"
-            )
-        ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
-
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * n
-    if len(params) != n:
-        raise ConfigError(f"got {len(params)} sampling params for {n} prompts: pass one, or one per prompt")
-    return list(params)
+        return getattr(llm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "DEFAULT_STARTUP_HOOKS",
-    "LLM",
+    "CompletionOutput",
     "LLMEngine",
     "RequestMetrics",
     "RequestOutput",
-    "build_config",
 ]

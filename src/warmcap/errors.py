@@ -21,3 +21,7 @@ class ModelLoadError(WarmcapError):
 
 class CapacityError(WarmcapError):
     """The KV pool cannot hold what was asked of it (too few blocks)."""
+
+
+class NonFiniteLogitsError(WarmcapError):
+    """A model produced NaN or infinite logits: its weights (or its dtype's range) are broken."""

@@ -1,15 +1,41 @@
-"""Per-request sampling settings (the fields users of vLLM know)."""
+"""Per-request sampling settings (the fields users of vLLM know), checked when built."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from warmcap.errors import ConfigError
 
 
+def _is_int(value: object) -> bool:
+    # NOTE: bool is a subclass of int; True is not a token count. numpy integers are integers.
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value: object) -> bool:
+    return (
+        isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature=0`` is greedy."""
+    """How to pick tokens and when to stop. ``temperature=0`` is greedy.
+
+    vLLM's meanings: ``top_k`` 0 or -1 is off; ``n`` independent samples per prompt (a seeded
+    request's i-th sample uses ``seed + i``); ``stop`` strings end generation at their first
+    occurrence (excluded from the text unless ``include_stop_str_in_output``), finish reason "stop";
+    ``logprobs`` N returns, per generated token, the sampled token's and the N most likely tokens'
+    log-probabilities under the model's raw distribution; ``min_tokens`` tokens are generated before
+    EOS, ``stop_token_ids`` or a stop string may end the request; ``repetition_penalty`` divides
+    positive (multiplies negative) logits of tokens in the prompt or output, ``presence_penalty`` and
+    ``frequency_penalty`` subtract per output token seen (once, or per occurrence).
+    """
 
     temperature: float = 1.0
     top_k: int = 0
@@ -19,19 +45,88 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: ``stop_token_ids`` plus the model's EOS unless ``ignore_eos``: the tokens ``min_tokens`` holds
+    #: back. The engine fills it (:meth:`with_eos`) when it queues a request.
+    all_stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0.0, f"temperature must be >= 0; got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it); got {self.top_k}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1]; got {self.top_p}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1]; got {self.min_p}"),
-            (self.max_tokens >= 1, f"max_tokens must be >= 1; got {self.max_tokens}"),
-        ]
-        for ok, message in checks:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+            stop = tuple(stop)
+        else:
+            raise ConfigError(f"stop must be a string or a list of strings; got {self.stop!r}")
+        stop_ids = self.stop_token_ids
+        if not isinstance(stop_ids, Sequence) or isinstance(stop_ids, str):
+            raise ConfigError(f"stop_token_ids must be a list of token ids; got {stop_ids!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        object.__setattr__(self, "all_stop_token_ids", self.stop_token_ids)
+        for ok, message in self._checks():
             if not ok:
                 raise ConfigError(message)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        t, k, p, mp = self.temperature, self.top_k, self.top_p, self.min_p
+        mt, mn, lp = self.max_tokens, self.min_tokens, self.logprobs
+        return [
+            (_is_number(t) and t >= 0, f"temperature must be a finite number >= 0 (0 is greedy); got {t!r}"),
+            (_is_int(k) and k >= -1, f"top_k must be an integer >= -1 (0 or -1 disables it); got {k!r}"),
+            (_is_number(p) and 0.0 < p <= 1.0, f"top_p must be a number in (0, 1]; got {p!r}"),
+            (_is_number(mp) and 0.0 <= mp <= 1.0, f"min_p must be a number in [0, 1]; got {mp!r}"),
+            (self.seed is None or _is_int(self.seed), f"seed must be an integer or None; got {self.seed!r}"),
+            (_is_int(mt) and mt >= 1, f"max_tokens must be an integer >= 1; got {mt!r}"),
+            (
+                all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
+                f"stop_token_ids must be non-negative integers; got {list(self.stop_token_ids)!r}",
+            ),
+            (isinstance(self.ignore_eos, bool), f"ignore_eos must be True or False; got {self.ignore_eos!r}"),
+            (_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1; got {self.n!r}"),
+            (all(self.stop), f"stop strings must not be empty; got {list(self.stop)!r}"),
+            (
+                isinstance(self.include_stop_str_in_output, bool),
+                f"include_stop_str_in_output must be True or False; got {self.include_stop_str_in_output!r}",
+            ),
+            (
+                lp is None or (_is_int(lp) and lp >= 0),
+                f"logprobs must be None or an integer >= 0; got {lp!r}",
+            ),
+            (_is_int(mn) and mn >= 0, f"min_tokens must be an integer >= 0; got {mn!r}"),
+            (
+                not (_is_int(mn) and _is_int(mt)) or mn <= mt,
+                f"min_tokens ({mn}) must not exceed max_tokens ({mt})",
+            ),
+            (
+                _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                f"repetition_penalty must be a finite number > 0 (1 is off); got {self.repetition_penalty!r}",
+            ),
+            (
+                _is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be a number in [-2, 2] (0 is off); got {self.presence_penalty!r}",
+            ),
+            (
+                _is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be a number in [-2, 2] (0 is off); got {self.frequency_penalty!r}",
+            ),
+        ]
+
+    def with_eos(self, eos_token_id: int | None) -> SamplingParams:
+        """A copy whose ``all_stop_token_ids`` include ``eos_token_id`` (unless ``ignore_eos``)."""
+        params = replace(self)
+        eos = () if eos_token_id is None or self.ignore_eos else (eos_token_id,)
+        object.__setattr__(params, "all_stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids + eos)))
+        return params
 
     @property
     def greedy(self) -> bool:

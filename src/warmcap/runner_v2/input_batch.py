@@ -83,6 +83,12 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        # Until a row has min_tokens outputs, its stop tokens (EOS included) cannot be sampled.
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.min_tokens_stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs))
@@ -146,6 +152,11 @@ class InputBatch:
         self.num_prompt_tokens[row] = 0
         self.num_computed[row] = 0
         self.generators[row] = None
+        self.min_tokens[row] = 0
+        self.min_tokens_stop_ids[row] = ()
+        self.repetition_penalty[row] = 1.0
+        self.presence_penalty[row] = 0.0
+        self.frequency_penalty[row] = 0.0
         heapq.heappush(self._free_rows, row)
         return row
 
@@ -163,11 +174,55 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.min_tokens[row] = params.min_tokens
+        self.min_tokens_stop_ids[row] = params.all_stop_token_ids
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator()
             gen.manual_seed(params.seed)
         self.generators[row] = gen
+
+    def process_logits(self, logits: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """``logits`` (rows as ``step.logits_indices``) as the requests' settings shape them before
+        sampling: penalties, then stop tokens held back until ``min_tokens``.
+
+        The j-th logits row of a request samples its output token ``done + j`` (``done`` = outputs
+        so far), after the prompt, those outputs and its first j staged drafts.
+        """
+        rows = step.rows
+        done = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        penalized = (self.repetition_penalty[rows] != 1) | (self.presence_penalty[rows] != 0)
+        penalized |= self.frequency_penalty[rows] != 0
+        held = self.min_tokens[rows] > done
+        if not (penalized | held).any():
+            return logits
+        logits = logits.clone()
+        first = 0
+        for i, (row, n) in enumerate(zip(rows.tolist(), step.num_logits.tolist(), strict=True)):
+            for j in range(n if penalized[i] else 0):
+                self._penalize(logits[first + j], row, int(self.num_tokens[row]) + j)
+            stop_ids = self.min_tokens_stop_ids[row]
+            num_held = min(max(int(self.min_tokens[row]) - int(done[i]), 0), n)
+            if num_held and stop_ids:
+                logits[first : first + num_held, list(stop_ids)] = float("-inf")
+            first += n
+        return logits
+
+    def _penalize(self, logits: torch.Tensor, row: int, end: int) -> None:
+        """vLLM's penalties on one logits row, in place, given the row's first ``end`` tokens."""
+        seen = torch.from_numpy(self.token_ids[row, :end]).to(logits.device)
+        rep = float(self.repetition_penalty[row])
+        if rep != 1.0:
+            ids = seen.unique()
+            vals = logits[ids]
+            logits[ids] = torch.where(vals > 0, vals / rep, vals * rep)
+        presence, frequency = float(self.presence_penalty[row]), float(self.frequency_penalty[row])
+        if presence or frequency:
+            counts = torch.bincount(seen[int(self.num_prompt_tokens[row]) :], minlength=logits.shape[0])
+            logits -= frequency * counts[: logits.shape[0]] + presence * (counts[: logits.shape[0]] > 0)
 
     # ---- one step's inputs ---------------------------------------------------------------------
 

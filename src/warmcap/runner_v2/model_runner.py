@@ -124,6 +124,9 @@ class ModelRunner:
         self.last_step: StepInputs | None = None
         self.last_hidden_states: torch.Tensor | None = None
         self.last_positions: torch.Tensor | None = None
+        # Sampling logits [N, V] of the latest step (rows as in ``logits_hook``), for logprobs and
+        # the engine's non-finite check.
+        self.last_logits: torch.Tensor | None = None
         # Target layers whose input hidden states drafters read (EAGLE-3, DFlash); filled per forward.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.last_aux_hidden_states: list[torch.Tensor] = []
@@ -250,8 +253,10 @@ class ModelRunner:
         if n == 0:
             return [[] for _ in step.req_ids]
         logits = self.model.compute_logits(hidden[self.buffers.logits_indices[:n]])
+        self.last_logits = logits
         if self.logits_hook is not None:
             self.logits_hook(step.req_ids, step.num_logits, logits)
+        logits = self.batch.process_logits(logits, step)
         samples = (step.num_logits > 0).tolist()
         meta = self.sampling_metadata(np.repeat(step.rows, step.num_logits))
         drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]

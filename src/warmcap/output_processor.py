@@ -1,0 +1,138 @@
+"""From a step's per-request results to what callers see: text, stop strings, logprobs, metrics.
+
+The scheduler decides EOS, stop token ids and length; stop strings need text, so they are decided
+here, after detokenizing, and the engine aborts a request that hit one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from warmcap.core.request import Request
+from warmcap.core.scheduler_stats import RequestStepOutput
+from warmcap.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    StopHit,
+    find_stop_string,
+)
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    """The engine's view of one queued request: what it was asked and what it produced so far.
+
+    ``index`` is the sample's index among its prompt's ``n``; ``num_checked`` counts output tokens
+    already searched for stop strings.
+    """
+
+    request: Request
+    prompt: str | None
+    metrics: RequestMetrics
+    index: int = 0
+    logprobs: SampleLogprobs | None = None
+    stop: StopHit | None = None
+    num_checked: int = 0
+
+    def output(
+        self, decode: Decode, new_token_ids: Sequence[int], finish_reason: str | None
+    ) -> RequestOutput:
+        req = self.request
+        tokens = list(req.output_token_ids)
+        params = req.sampling_params
+        stop_reason: str | int | None = None
+        if self.stop is not None:
+            stop_reason = self.stop.stop
+        elif finish_reason == "stop" and tokens and tokens[-1] in params.stop_token_ids:
+            stop_reason = tokens[-1]
+        completion = CompletionOutput(
+            index=self.index,
+            text=self.stop.text if self.stop is not None else decode(tokens),
+            token_ids=tokens,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            metrics=self.metrics,
+            finished=finish_reason is not None,
+            new_token_ids=list(new_token_ids),
+        )
+
+
+def apply_stop_strings(tracked: TrackedRequest, res: RequestStepOutput, decode: Decode) -> RequestStepOutput:
+    """``res`` cut at the first stop string the new tokens complete (finish reason "stop"), else
+    ``res`` unchanged. Output tokens past the stop are dropped from the request."""
+    req = tracked.request
+    params = req.sampling_params
+    if not params.stop or not res.new_token_ids:
+        return res
+    tokens = req.output_token_ids
+    hit = find_stop_string(
+        decode,
+        tokens,
+        tracked.num_checked,
+        params.stop,
+        min_tokens=params.min_tokens,
+        include_stop=params.include_stop_str_in_output,
+    )
+    tracked.num_checked = len(tokens)
+    if hit is None:
+        return res
+    start = len(tokens) - len(res.new_token_ids)
+    del tokens[hit.num_tokens :]
+    tracked.stop = hit
+    return RequestStepOutput(
+        req_id=res.req_id,
+        new_token_ids=tokens[start:],
+        finished=True,
+        finish_reason="stop",
+        num_draft_tokens=res.num_draft_tokens,
+        num_accepted_tokens=res.num_accepted_tokens,
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: int, decode: Decode
+) -> SampleLogprobs:
+    """Per row of ``logits`` (the distribution each of ``token_ids`` was drawn from): the chosen
+    token's and the ``num_top`` most likely tokens' log-probabilities and ranks, chosen first."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = torch.tensor(list(token_ids), device=logits.device)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1) if num_top else (None, None)
+    out: SampleLogprobs = []
+    for i, tok in enumerate(token_ids):
+        entry = {tok: Logprob(float(chosen_lp[i]), int(ranks[i]), decode([tok]))}
+        if top_ids is not None:
+            for rank, (tid, lp) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True), 1):
+                entry.setdefault(tid, Logprob(lp, rank, decode([tid])))
+        out.append(entry)
+    return out
+
+
+def gather_samples(outputs: Sequence[RequestOutput], request_id: str) -> RequestOutput:
+    """One prompt's ``n`` finished samples as one output (its first sample's prompt and metrics)."""
+    first = outputs[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=sorted((o.outputs[0] for o in outputs), key=lambda c: c.index),
+        metrics=first.metrics,
+        finished=all(o.finished for o in outputs),
+        new_token_ids=first.new_token_ids,
+    )

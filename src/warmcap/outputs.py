@@ -1,0 +1,120 @@
+"""What a caller gets back for a request, in vLLM's shape: a ``RequestOutput`` holding one
+``CompletionOutput`` per sample, plus the stop-string search that decides where a text ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One candidate token's log-probability under the model's raw distribution and its rank
+    (1 = most likely), as vLLM reports it."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+#: Per generated token: ``{token_id: Logprob}`` for the sampled token and the top-N candidates.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (``time.monotonic``) and counters of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a prompt: ``index`` among the ``n`` samples, its text and tokens so far.
+
+    ``stop_reason`` is the stop string or stop token id that ended it (None for EOS or length);
+    ``logprobs`` is set when the request asked for them.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: SampleLogprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A prompt's progress so far: ``outputs`` holds one completion per sample (``n``).
+
+    ``text``, ``token_ids``, ``finish_reason`` are the first completion's; ``new_token_ids`` are the
+    tokens it gained in the step that produced this output.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    finished: bool = False
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True, slots=True)
+class StopHit:
+    """Where a stop string ended generation: tokens kept, text kept, the string matched."""
+
+    num_tokens: int
+    text: str
+    stop: str
+
+
+def find_stop_string(
+    decode: Callable[[Sequence[int]], str],
+    token_ids: Sequence[int],
+    num_checked: int,
+    stops: Sequence[str],
+    *,
+    min_tokens: int = 0,
+    include_stop: bool = False,
+) -> StopHit | None:
+    """The first token count past ``num_checked`` (and at least ``min_tokens``) whose text newly
+    contains a stop string, as vLLM checks it token by token; None when no stop string appears.
+
+    Only text that a token adds (plus the overlap a stop string may straddle) is searched, so a stop
+    string completed before ``min_tokens`` never ends the request later.
+    """
+    longest = max(map(len, stops))
+    first = max(num_checked + 1, min_tokens, 1)
+    previous = decode(token_ids[: first - 1])
+    for count in range(first, len(token_ids) + 1):
+        text = decode(token_ids[:count])
+        start = max(0, len(previous) - longest + 1)
+        hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+        if hits:
+            at, stop = min(hits)
+            return StopHit(count, text[: at + len(stop) if include_stop else at], stop)
+        previous = text
+    return None
