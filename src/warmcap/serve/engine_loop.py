@@ -263,3 +263,7 @@ class EngineLoop:
         for command in queued:
             if isinstance(command, _Add):
                 command.sink.put(EngineFailure(reason))
+        pool = engine.kv_cache_manager.pool
+        log.info(
+            "warmcap: engine stopped; %d of %d KV blocks free", pool.num_free_blocks, engine.num_blocks - 1
+        )

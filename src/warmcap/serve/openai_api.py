@@ -47,7 +47,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     state: ServerState = request.app.state.warmcap
     state.check_ready()
     state.check_model(body.model)
-    params = _sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+    params = _sampling_params(body, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens)
     prompts = _completion_prompts(body.prompt)
     run = await _Run.begin(state, prompts, params, "cmpl")
     if body.stream:
@@ -72,7 +72,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     state.check_ready()
     state.check_model(body.model)
     # Without a limit, answer until the context is full (the engine stops at max_model_len).
-    limit = body.max_completion_tokens or body.max_tokens or state.max_model_len
+    limit = next(
+        (n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), state.max_model_len
+    )
     params = _sampling_params(body, limit)
     prompt = ChatPrompt(tuple((m.role, m.content) for m in body.messages))
     run = await _Run.begin(state, [prompt], params, "chatcmpl")

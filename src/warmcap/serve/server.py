@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -27,7 +28,12 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._app.state.warmcap.loop.shutdown("the server is shutting down (signal received)")
-        super().handle_exit(sig, frame)
+        # NOTE: uvicorn's own handler records the signal and raises it again after shutdown, so the
+        # process would die of it; a handled signal here means a clean exit 0.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
 
 
 def serve(config: EngineConfig, options: ServeOptions, *, host: str, port: int) -> str | None:
@@ -44,6 +50,11 @@ def serve(config: EngineConfig, options: ServeOptions, *, host: str, port: int) 
     server = _Server(
         uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=10), app
     )
-    logging.getLogger("warmcap.serve").setLevel(logging.INFO)
+    log = logging.getLogger("warmcap.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
     server.run()
     return failure[0] if failure else None
