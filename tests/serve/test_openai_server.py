@@ -178,6 +178,7 @@ def test_spec_counters_move_and_match_engine(server) -> None:
         ({"prompt": list(range(3, 203))}, "max_model_len"),
         ({"model": "gpt-4"}, "gpt-4"),
         ({"prompt": 42}, "prompt"),
+        ({"prompt": [3, 10**9]}, "vocabulary"),
     ],
 )
 def test_bad_input_is_400_with_openai_error(server, body, needle) -> None:

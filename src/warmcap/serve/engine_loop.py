@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from warmcap.errors import WarmcapError
+from warmcap.errors import ConfigError, WarmcapError
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.serve.chat import ChatPrompt, chat_token_ids
 
@@ -196,6 +196,9 @@ class EngineLoop:
                     self._metrics.observe_end("abort", None)
             if engine.has_unfinished():
                 self._step(engine)
+            else:
+                # Aborts free blocks without a step: the gauges must show it.
+                self._observe(engine, num_batched=0)
 
     def _drain(self, *, block: bool) -> list[_Add | _Abort | _Stop]:
         commands = []
@@ -212,6 +215,8 @@ class EngineLoop:
         try:
             if isinstance(prompt, ChatPrompt):
                 prompt = chat_token_ids(engine.tokenizer, prompt.messages, engine.config.model.model)
+            elif isinstance(prompt, list):
+                _check_token_ids(engine, prompt)
             engine.add_request(prompt, command.params, command.request_id)
         except WarmcapError as exc:
             command.sink.put(EngineFailure(str(exc), status=400))
@@ -239,12 +244,14 @@ class EngineLoop:
                 del self._sinks[out.request_id]
                 self._metrics.observe_end(out.finish_reason or "stop", now - sink.arrival)
             sink.put(out)
-        stats = engine.scheduler
+        self._observe(engine, num_batched=len(outputs))
+
+    def _observe(self, engine: LLMEngine, *, num_batched: int) -> None:
         self._metrics.observe_step(
-            num_running=len(stats.running),
-            num_waiting=len(stats.waiting),
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
             kv_usage=engine.kv_cache_manager.usage,
-            num_batched=len(outputs),
+            num_batched=num_batched,
         )
 
     def _end_all(self, engine: LLMEngine, reason: str, status: int = 503) -> None:
@@ -266,4 +273,14 @@ class EngineLoop:
         pool = engine.kv_cache_manager.pool
         log.info(
             "warmcap: engine stopped; %d of %d KV blocks free", pool.num_free_blocks, engine.num_blocks - 1
+        )
+
+
+def _check_token_ids(engine: LLMEngine, token_ids: list[int]) -> None:
+    """A token id outside the vocabulary would fail the whole step, and every request in it."""
+    vocab = getattr(getattr(engine.model, "hf_config", None), "vocab_size", None)
+    bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise ConfigError(
+            f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); send ids the model's tokenizer produces"
         )
