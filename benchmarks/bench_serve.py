@@ -16,6 +16,7 @@ import argparse
 import json
 import socket
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--level-seconds", type=float, default=120.0)
     ap.add_argument("--time-limit", type=float, default=900.0)
     args = ap.parse_args()
+    # Progress must show when stdout is a file (a long run on a busy machine).
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     started_at = time.perf_counter()
 
     import uvicorn
