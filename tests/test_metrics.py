@@ -102,3 +102,24 @@ def test_merge_adds_counts_and_as_dict_matches() -> None:
 def test_format_spec_stats_mentions_the_numbers() -> None:
     text = format_spec_stats(_observed())
     assert "2.50" in text and "6/11" in text and "0.75 0.50 0.25" in text
+
+
+def test_collector_has_every_position_from_the_start_and_follows_its_source() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from warmcap.metrics import SpecDecodeCollector
+
+    live = SpecDecodeMetrics()
+    registry = CollectorRegistry()
+    registry.register(SpecDecodeCollector(lambda: live, {"model_name": "m"}, num_positions=3))
+    base = frozenset({("model_name", "m")})
+    _, samples = _parse(generate_latest(registry).decode())
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [samples[(per_pos, base | {("position", str(p))})] for p in range(3)] == [0, 0, 0]
+    assert samples[("vllm:spec_decode_num_drafts_total", base)] == 0
+    live.observe(3, 2)
+    _, samples = _parse(generate_latest(registry).decode())
+    assert [samples[(per_pos, base | {("position", str(p))})] for p in range(3)] == [1, 1, 0]
+    assert 1 + samples[("vllm:spec_decode_num_accepted_tokens_total", base)] / samples[
+        ("vllm:spec_decode_num_drafts_total", base)
+    ] == pytest.approx(live.acceptance_length)

@@ -373,3 +373,59 @@ def _load_report(path: str):
         return CaptureReport.from_json(text)
     except WarmcapError as exc:
         raise WarmcapError(f"report file {path!r}: {exc}") from None
+
+
+# ---- warmup serve --------------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def serve(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    spec: str = typer.Option("none", "--spec", "-s", help=SPEC_HELP),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    api_key: str = typer.Option(
+        None, envvar="WARMCAP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* requests."
+    ),
+    max_num_seqs: int = typer.Option(8, help="Most requests in one step (sets the graph sizes)."),
+    max_num_batched_tokens: int = typer.Option(512, help="Token budget of one step."),
+    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    num_blocks: int = typer.Option(None, help="KV pool size in blocks (default: sized from memory)."),
+    mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
+    capture_sizes: str = typer.Option(None, help="Comma-separated token counts to capture, e.g. 1,2,4,8."),
+    backend: str = typer.Option(
+        None, help="Graph backend: cuda, static or compile (default: cuda on a GPU, else static)."
+    ),
+    kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
+) -> None:
+    """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
+
+    Exits 1 when start-up fails or finds a stray KV write; 0 after SIGINT/SIGTERM.
+    """
+    from warmcap.graphs.sizes import parse_capture_sizes
+    from warmcap.serve.app import ServeOptions
+    from warmcap.serve.server import serve as run_server
+
+    config = _engine_config(
+        model=model,
+        spec=spec,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        mamba_cache_mode=mamba_cache_mode,
+        dtype=dtype,
+        kv_role=kv_role,
+        batch_invariant=batch_invariant,
+    )
+    sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
+    options = ServeOptions(api_key=api_key, backend=backend, capture_sizes=sizes)
+    failure = run_server(config, options, host=host, port=port)
+    if failure is not None:
+        err.print(f"[bold red]FAIL:[/] start-up did not become ready: {failure}", highlight=False)
+        raise typer.Exit(1)

@@ -1,8 +1,14 @@
-"""Speculative-decoding counters, exposed under the Prometheus names vLLM users already scrape."""
+"""Speculative-decoding counters, exposed through ``prometheus_client`` under the names vLLM users
+already scrape. The server's other series live in :mod:`warmcap.serve.metrics`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from warmcap.errors import ConfigError
 
@@ -18,16 +24,6 @@ _PER_POS = (
     "num_accepted_tokens_per_pos_total",
     "Accepted draft tokens by position in the draft (0 = first draft token).",
 )
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels.items()) + "}"
 
 
 @dataclass(slots=True)
@@ -102,25 +98,46 @@ class SpecDecodeMetrics:
         }
 
     def to_prometheus(self, labels: dict[str, str] | None = None) -> str:
-        """Prometheus text exposition (version 0.0.4) of the four counters, with ``labels`` on each
-        sample (e.g. ``{"model_name": ...}``)."""
-        base = dict(labels or {})
-        if "position" in base:
+        """Prometheus text exposition of the four counters, with ``labels`` on each sample (e.g.
+        ``{"model_name": ...}``)."""
+        registry = CollectorRegistry()
+        registry.register(SpecDecodeCollector(lambda: self, labels or {}))
+        return generate_latest(registry).decode()
+
+
+class SpecDecodeCollector(Collector):
+    """Reads a :class:`SpecDecodeMetrics` at every scrape and exposes it under vLLM's names.
+
+    ``num_positions`` (the drafter's k) makes the per-position series exist, at 0, before the first
+    draft, as dashboards expect one series per position from start-up.
+    """
+
+    def __init__(
+        self, source: Callable[[], SpecDecodeMetrics], labels: dict[str, str], num_positions: int = 0
+    ) -> None:
+        if "position" in labels:
             raise ConfigError("the label 'position' is reserved for the per-position counter: rename it")
-        values = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
-        lines: list[str] = []
+        self._source = source
+        self._names = list(labels)
+        self._values = [labels[k] for k in self._names]
+        self._num_positions = num_positions
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._source()
+        values = (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
         for (name, help_text), value in zip(_COUNTERS, values, strict=True):
-            full = _PREFIX + name
-            lines += [
-                f"# HELP {full} {help_text}",
-                f"# TYPE {full} counter",
-                f"{full}{_labels(base)} {value}",
-            ]
-        full = _PREFIX + _PER_POS[0]
-        lines += [f"# HELP {full} {_PER_POS[1]}", f"# TYPE {full} counter"]
-        for pos, count in enumerate(self.accepted_per_pos):
-            lines.append(f"{full}{_labels({**base, 'position': str(pos)})} {count}")
-        return "\n".join(lines) + "\n"
+            family = CounterMetricFamily(_PREFIX + name, help_text, labels=self._names)
+            family.add_metric(self._values, value)
+            yield family
+        per_pos = list(m.accepted_per_pos)
+        per_pos += [0] * (self._num_positions - len(per_pos))
+        family = CounterMetricFamily(_PREFIX + _PER_POS[0], _PER_POS[1], labels=[*self._names, "position"])
+        for pos, count in enumerate(per_pos):
+            family.add_metric([*self._values, str(pos)], count)
+        yield family
 
 
 def format_spec_stats(metrics: SpecDecodeMetrics) -> str:

@@ -1,0 +1,209 @@
+"""Serving load test: ``warmup serve``'s app on loopback, 1, 8 and 32 concurrent streaming clients,
+against offline ``generate`` on the same engine and the same workload.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_serve.py [--model smollm2-135m] [--max-tokens 32]
+
+Greedy, ``ignore_eos``: every request produces exactly ``max_tokens``. One engine is started once (the
+audited start-up of ``warmup serve``); offline ``generate`` over all prompts is timed on it first,
+then the same engine serves every concurrency level through the ``openai`` client. Bounded: each level
+sends at most ``--num-requests`` requests and stops sending after ``--level-seconds``; the whole run
+ends after ``--time-limit`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPTS = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
+
+
+@dataclass(slots=True)
+class Sample:
+    ttft: float
+    e2e: float
+    tokens: int
+
+    @property
+    def itl(self) -> float:
+        """Mean seconds between tokens after the first."""
+        return (self.e2e - self.ttft) / max(self.tokens - 1, 1)
+
+
+def load_prompts(n: int) -> list[str]:
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    return [r["prompt"] for r in rows[:n]]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int) -> Sample:
+    t0 = time.perf_counter()
+    first = None
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    tokens = 0
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return Sample((first or end) - t0, end - t0, tokens)
+
+
+def run_level(
+    client, model: str, prompts: list[str], concurrency: int, max_tokens: int, seconds: float
+) -> dict:
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    next_index = iter(range(len(prompts)))
+    deadline = time.perf_counter() + seconds
+
+    def worker() -> None:
+        while time.perf_counter() < deadline:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            s = one_request(client, model, prompts[i], max_tokens)
+            with lock:
+                samples.append(s)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [s.ttft for s in samples]
+    itl = [s.itl for s in samples]
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "seconds": wall,
+        "requests_per_s": len(samples) / wall,
+        "tokens_per_s": sum(s.tokens for s in samples) / wall,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p90": pct(ttft, 90),
+        "ttft_p99": pct(ttft, 99),
+        "itl_p50": pct(itl, 50),
+        "itl_p90": pct(itl, 90),
+        "itl_p99": pct(itl, 99),
+        "itl_mean": statistics.fmean(itl),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--num-requests", type=int, default=32, help="Most requests per level (<= 32 prompts).")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--capture-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--level-seconds", type=float, default=120.0)
+    ap.add_argument("--time-limit", type=float, default=900.0)
+    args = ap.parse_args()
+    # Progress must show when stdout is a file (a long run on a busy machine).
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    started_at = time.perf_counter()
+
+    import uvicorn
+    from openai import OpenAI
+
+    from warmcap.engine import build_config
+    from warmcap.graphs.sizes import parse_capture_sizes
+    from warmcap.sampling_params import SamplingParams
+    from warmcap.serve import ServeOptions, build_app
+    from warmcap.serve.startup_facts import start_engine
+
+    prompts = load_prompts(args.num_requests)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    config = build_config(
+        args.model,
+        device="cpu",
+        max_num_seqs=max(levels),
+        max_num_batched_tokens=2048,
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
+    started = start_engine(config, capture_sizes=parse_capture_sizes(args.capture_sizes))
+    engine = started.engine
+    print(f"start-up {time.perf_counter() - started_at:.1f} s; refusal: {started.refusal}")
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def offline() -> float:
+        """Tokens/s of one generate() over every prompt on the same engine."""
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, [params] * len(prompts))
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+    # Timed before and after serving (the engine thread has stopped by then); the best counts, so
+    # a busy moment does not flatter the server.
+    offline_tps = max(offline(), offline())
+    print(f"offline generate: {offline_tps:.1f} tokens/s ({len(prompts)} prompts x {args.max_tokens} tokens)")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(config, ServeOptions(), start=lambda: started)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    results = []
+    try:
+        while app.state.warmcap.loop.state.value != "ready":
+            if time.perf_counter() - started_at > args.time_limit:
+                raise TimeoutError("server not ready within the time limit")
+            time.sleep(0.05)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        for c in levels:
+            left = args.time_limit - (time.perf_counter() - started_at)
+            if left <= 0:
+                print(f"time limit reached before concurrency {c}")
+                break
+            r = run_level(client, args.model, prompts, c, args.max_tokens, min(args.level_seconds, left))
+            r["vs_offline"] = r["tokens_per_s"] / offline_tps
+            results.append(r)
+            print(
+                f"c={c:>2}: {r['requests']} req in {r['seconds']:.1f} s, {r['requests_per_s']:.2f} req/s, "
+                f"{r['tokens_per_s']:.1f} tok/s ({r['vs_offline']:.2f}x offline); "
+                f"TTFT p50/p90/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p90'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms; "
+                f"ITL p50/p90/p99 {r['itl_p50'] * 1e3:.1f}/{r['itl_p90'] * 1e3:.1f}/{r['itl_p99'] * 1e3:.1f} ms"
+            )
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "max_tokens": args.max_tokens,
+                "offline_tokens_per_s": offline_tps,
+                "levels": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The FastAPI app: built from an engine config without binding a port.
+
+The engine starts (audited start-up, then the step loop) when the app's lifespan starts, so
+``/health`` answers 503 while start-up runs and 200 once the engine serves.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from warmcap import __version__
+from warmcap.serve.engine_loop import EngineLoop, State
+from warmcap.serve.errors import APIError, error_response, install_error_handlers
+from warmcap.serve.metrics import ServingMetrics
+from warmcap.serve.openai_api import router
+from warmcap.serve.protocol import ModelCard, ModelList
+from warmcap.serve.startup_facts import StartedEngine, start_engine
+
+if TYPE_CHECKING:
+    from warmcap.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Server settings beyond the engine config."""
+
+    #: clients must send ``Authorization: Bearer <api_key>`` to ``/v1/*`` (None: no check)
+    api_key: str | None = None
+    #: graph backend and capture sizes for start-up (None: as ``warmup run`` picks them)
+    backend: str | None = None
+    capture_sizes: list[int] | None = None
+    #: called from the engine thread with the reason when start-up fails or is refused
+    on_failure: Callable[[str], None] | None = field(default=None, compare=False)
+    #: seconds the lifespan waits for the engine thread at shutdown
+    shutdown_timeout: float = 30.0
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What handlers share: the engine loop, metrics and the served model's name."""
+
+    loop: EngineLoop
+    metrics: ServingMetrics
+    model_name: str
+
+    @property
+    def max_model_len(self) -> int:
+        return self.loop.engine.config.max_model_len
+
+    def check_ready(self) -> None:
+        if self.loop.state is not State.READY:
+            raise APIError(503, _not_ready(self.loop), "engine_unavailable")
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(
+                400,
+                f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                "model_not_found",
+                "model",
+            )
+
+
+def build_app(
+    config: EngineConfig,
+    options: ServeOptions | None = None,
+    *,
+    start: Callable[[], StartedEngine] | None = None,
+) -> FastAPI:
+    """An OpenAI-compatible app over one engine. ``start`` replaces the audited start-up (tests use
+    it to hold start-up back or to fail it)."""
+    opts = options or ServeOptions()
+    spec = config.speculative
+    k = spec.num_speculative_tokens if spec is not None else 0
+    model_name = config.model.model
+    loop: EngineLoop
+    metrics = ServingMetrics(model_name, lambda: loop.spec_metrics(), k)
+    starter = start or partial(start_engine, config, backend=opts.backend, capture_sizes=opts.capture_sizes)
+    loop = EngineLoop(starter, metrics, num_spec_positions=k, on_failure=opts.on_failure)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.shutdown()
+            loop.join(opts.shutdown_timeout)
+
+    app = FastAPI(title="warmcap", version=__version__, lifespan=lifespan)
+    app.state.warmcap = ServerState(loop, metrics, model_name)
+    install_error_handlers(app)
+    if opts.api_key is not None:
+        app.middleware("http")(partial(_check_bearer, opts.api_key))
+    app.include_router(router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if loop.state is State.READY:
+            return Response(status_code=200)
+        return error_response(503, _not_ready(loop), "engine_unavailable")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/startup")
+    async def startup_report() -> Response:
+        if loop.started is None:
+            return error_response(503, _not_ready(loop), "engine_unavailable")
+        return Response(loop.started.report_json, media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        state: ServerState = app.state.warmcap
+        state.check_ready()
+        card = ModelCard(id=model_name, max_model_len=loop.engine.config.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    return app
+
+
+def _not_ready(loop: EngineLoop) -> str:
+    if loop.state is State.FAILED:
+        return f"start-up failed: {loop.failure}"
+    if loop.state is State.STOPPED:
+        return "the server is shutting down"
+    return "the engine is still starting (warmup, audit, graph capture); retry when GET /health is 200"
+
+
+async def _check_bearer(api_key: str, request: Request, call_next: Callable) -> Response:
+    """``/v1/*`` needs the API key as a bearer token; health, metrics and version stay open."""
+    if request.url.path.startswith("/v1"):
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            seen = "no bearer token" if not token else "a wrong bearer token"
+            return error_response(
+                401,
+                f"invalid API key: sent {seen}; send 'Authorization: Bearer <key>' with the server's --api-key",
+                "invalid_api_key",
+            )
+    return await call_next(request)

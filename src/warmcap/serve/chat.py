@@ -1,0 +1,32 @@
+"""Chat messages -> prompt token ids through the model's chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from warmcap.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation to render with the chat template (in the engine thread, which owns the tokenizer)."""
+
+    messages: tuple[tuple[str, str], ...]
+
+
+def chat_token_ids(tokenizer: Any, messages: Sequence[tuple[str, str]], model: str) -> list[int]:
+    """Render ``(role, content)`` pairs with the template and encode the text as is.
+
+    NOTE: the template writes any BOS itself, so the text is encoded without special tokens;
+    encoding with them would give a second BOS.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model {model!r} has no chat template: use /v1/completions with a plain prompt")
+    text = tokenizer.apply_chat_template(
+        [{"role": role, "content": content} for role, content in messages],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,286 @@
+"""The engine's own thread: start-up, then step while there is work, fed through a queue.
+
+``LLMEngine`` is synchronous and not thread-safe, so exactly one thread touches it. HTTP handlers
+(on the asyncio loop) hand it commands through a :class:`queue.Queue`; it hands outputs back to each
+request's :class:`asyncio.Queue` with ``call_soon_threadsafe``. Requests that arrive while a step
+runs join the running batch at the next step (continuous batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from warmcap.errors import ConfigError, WarmcapError
+from warmcap.metrics import SpecDecodeMetrics
+from warmcap.serve.chat import ChatPrompt, chat_token_ids
+
+if TYPE_CHECKING:
+    from warmcap.engine import LLMEngine, RequestOutput
+    from warmcap.sampling_params import SamplingParams
+    from warmcap.serve.metrics import ServingMetrics
+    from warmcap.serve.startup_facts import StartedEngine
+
+log = logging.getLogger("warmcap.serve")
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """Sent instead of an output when a request cannot go on (shutdown, engine error)."""
+
+    message: str
+    status: int = 503
+
+
+#: What a request's queue receives: ``(index, output)``; a finished output or a failure is the last.
+Item = tuple[int, "RequestOutput | EngineFailure"]
+
+
+@dataclass(slots=True)
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Item]
+    index: int
+    arrival: float
+    first_token_seen: bool = False
+
+    def put(self, item: RequestOutput | EngineFailure) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int] | ChatPrompt
+    params: SamplingParams
+    sink: _Sink
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    reason: str
+
+
+class EngineLoop:
+    """Owns the engine: runs ``start`` (the audited start-up) then serves commands until stopped.
+
+    ``on_failure`` is called (from the engine thread) with the reason when start-up fails or the
+    audit refuses the engine, so the process can exit non-zero.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[], StartedEngine],
+        metrics: ServingMetrics,
+        *,
+        num_spec_positions: int = 0,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self._start = start
+        self._metrics = metrics
+        self._num_spec_positions = num_spec_positions
+        self._on_failure = on_failure
+        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        # NOTE: held while leaving READY and while queueing a request, so no request is queued
+        # after the engine thread's last look at the queue (it would wait forever).
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="warmcap-engine", daemon=True)
+        self.state = State.STARTING
+        self.failure: str | None = None
+        self.started: StartedEngine | None = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The started engine (only once :attr:`state` is READY)."""
+        assert self.started is not None, "the engine is not started yet"
+        return self.started.engine
+
+    def spec_metrics(self) -> SpecDecodeMetrics:
+        """The engine's running spec-decode totals; empty before start-up finishes."""
+        return self.started.engine.spec_metrics if self.started is not None else SpecDecodeMetrics()
+
+    # ---- called from the asyncio side ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int] | ChatPrompt,
+        params: SamplingParams,
+        out: asyncio.Queue[Item],
+        index: int = 0,
+    ) -> None:
+        """Queue a request; its outputs go to ``out`` tagged with ``index``. Prompt problems (too
+        long, no chat template) come back as an :class:`EngineFailure` with status 400."""
+        sink = _Sink(asyncio.get_running_loop(), out, index, time.monotonic())
+        with self._lock:
+            if self.state is not State.READY:
+                sink.put(EngineFailure(f"the server is not serving (state: {self.state.value})"))
+                return
+            self._commands.put(_Add(request_id, prompt, params, sink))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop requests and free their blocks (no-op for ones already finished)."""
+        for request_id in request_ids:
+            self._commands.put(_Abort(request_id))
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Ask the engine thread to end every in-flight request with an error and exit."""
+        self._commands.put(_Stop(reason))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            started = self._start()
+        except Exception as exc:  # any start-up failure must reach the operator, not kill a thread
+            self._fail(str(exc) if isinstance(exc, WarmcapError) else f"{type(exc).__name__}: {exc}")
+            return
+        self.started = started
+        self._metrics.set_startup(started.facts)
+        if started.refusal is not None:
+            self._fail(started.refusal)
+            return
+        # The smoke generation of start-up is in the report; /metrics counts served requests only.
+        started.engine.spec_metrics = SpecDecodeMetrics(accepted_per_pos=[0] * self._num_spec_positions)
+        self.state = State.READY
+        self._metrics.set_ready()
+        log.info("warmcap: engine ready")
+        self._serve(started.engine)
+
+    def _fail(self, reason: str) -> None:
+        self.failure = reason
+        self.state = State.FAILED
+        log.error("warmcap: start-up failed: %s", reason)
+        if self._on_failure is not None:
+            self._on_failure(reason)
+
+    def _serve(self, engine: LLMEngine) -> None:
+        while True:
+            idle = not engine.has_unfinished()
+            commands = self._drain(block=idle)
+            for i, command in enumerate(commands):
+                if isinstance(command, _Stop):
+                    self._stop(engine, command.reason, commands[i + 1 :])
+                    return
+                if isinstance(command, _Add):
+                    self._add(engine, command)
+                elif self._sinks.pop(command.request_id, None) is not None:
+                    engine.abort(command.request_id)
+                    self._metrics.observe_end("abort", None)
+            if engine.has_unfinished():
+                self._step(engine)
+            else:
+                # Aborts free blocks without a step: the gauges must show it.
+                self._observe(engine, num_batched=0)
+
+    def _drain(self, *, block: bool) -> list[_Add | _Abort | _Stop]:
+        commands = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, engine: LLMEngine, command: _Add) -> None:
+        prompt = command.prompt
+        try:
+            if isinstance(prompt, ChatPrompt):
+                prompt = chat_token_ids(engine.tokenizer, prompt.messages, engine.config.model.model)
+            elif isinstance(prompt, list):
+                _check_token_ids(engine, prompt)
+            engine.add_request(prompt, command.params, command.request_id)
+        except WarmcapError as exc:
+            command.sink.put(EngineFailure(str(exc), status=400))
+            return
+        self._sinks[command.request_id] = command.sink
+
+    def _step(self, engine: LLMEngine) -> None:
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # a failed step must not leave clients waiting forever
+            log.exception("warmcap: engine step failed")
+            self._end_all(engine, f"the engine failed: {type(exc).__name__}: {exc}", status=500)
+            return
+        now = time.monotonic()
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            self._metrics.observe_tokens(generated=len(out.new_token_ids))
+            if not sink.first_token_seen and out.new_token_ids:
+                sink.first_token_seen = True
+                self._metrics.observe_tokens(prompt=len(out.prompt_token_ids))
+                self._metrics.observe_first_token(now - sink.arrival)
+            if out.finished:
+                del self._sinks[out.request_id]
+                self._metrics.observe_end(out.finish_reason or "stop", now - sink.arrival)
+            sink.put(out)
+        self._observe(engine, num_batched=len(outputs))
+
+    def _observe(self, engine: LLMEngine, *, num_batched: int) -> None:
+        self._metrics.observe_step(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            kv_usage=engine.kv_cache_manager.usage,
+            num_batched=num_batched,
+        )
+
+    def _end_all(self, engine: LLMEngine, reason: str, status: int = 503) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            engine.abort(request_id)
+            self._metrics.observe_end("abort", None)
+            sink.put(EngineFailure(reason, status))
+        self._sinks.clear()
+
+    def _stop(self, engine: LLMEngine, reason: str, pending: list[_Add | _Abort | _Stop]) -> None:
+        with self._lock:
+            self.state = State.STOPPED
+            queued = pending + self._drain(block=False)
+        self._end_all(engine, reason)
+        # Queued but never added: they did not reach the engine.
+        for command in queued:
+            if isinstance(command, _Add):
+                command.sink.put(EngineFailure(reason))
+        pool = engine.kv_cache_manager.pool
+        log.info(
+            "warmcap: engine stopped; %d of %d KV blocks free", pool.num_free_blocks, engine.num_blocks - 1
+        )
+
+
+def _check_token_ids(engine: LLMEngine, token_ids: list[int]) -> None:
+    """A token id outside the vocabulary would fail the whole step, and every request in it."""
+    vocab = getattr(getattr(engine.model, "hf_config", None), "vocab_size", None)
+    bad = [t for t in token_ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise ConfigError(
+            f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); send ids the model's tokenizer produces"
+        )

@@ -1,0 +1,73 @@
+"""The one place the server reads what start-up produced (warmup audit, graphs, timings).
+
+Start-up itself is :func:`warmcap.startup.run_startup`, the code behind ``warmup run``; the server
+keeps its report (served at ``/startup``) and turns it into the facts it exports and the reason it
+refuses to become ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from warmcap.config import EngineConfig
+    from warmcap.engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class StartupFacts:
+    """Numbers of one start-up, as exported under ``warmcap:``."""
+
+    phase_seconds: dict[str, float]
+    graphs_captured: int
+    graphs_verified: int
+    audit_slots_checked: int
+    audit_violations: int
+    violation_samples: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StartedEngine:
+    """A started engine with its report; ``refusal`` says why it must not serve (None: clean)."""
+
+    engine: LLMEngine
+    report_json: str
+    facts: StartupFacts
+    refusal: str | None
+
+
+def start_engine(
+    config: EngineConfig, *, backend: str | None = None, capture_sizes: list[int] | None = None
+) -> StartedEngine:
+    """Run the audited start-up of ``warmup run`` (audit always on) and judge its report."""
+    from warmcap.startup import run_startup
+
+    run = run_startup(config, backend=backend, capture_sizes=capture_sizes, audit=True)
+    report = run.report
+    audit = report.warmup_audit
+    facts = StartupFacts(
+        phase_seconds={k: float(v) for k, v in report.timings.items() if v is not None},
+        graphs_captured=len(report.graphs),
+        graphs_verified=sum(1 for g in report.graphs if g.verified),
+        audit_slots_checked=audit.slots_checked,
+        audit_violations=audit.violations,
+        violation_samples=tuple(audit.violation_samples),
+    )
+    return StartedEngine(run.engine, report.to_json(), facts, _refusal(facts))  # type: ignore[arg-type]
+
+
+def _refusal(facts: StartupFacts) -> str | None:
+    if facts.audit_violations:
+        first = "; ".join(facts.violation_samples[:3])
+        return (
+            f"warmup audit found {facts.audit_violations} stray KV write(s) ({first}); the server will "
+            "not serve from a KV cache warmup may have corrupted: see GET /startup or `warmup run`"
+        )
+    unverified = facts.graphs_captured - facts.graphs_verified
+    if unverified:
+        return (
+            f"{unverified} of {facts.graphs_captured} captured graph(s) do not replay like eager; "
+            "see GET /startup or `warmup run --strict` for which ones"
+        )
+    return None

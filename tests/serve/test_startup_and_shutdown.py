@@ -1,0 +1,142 @@
+"""Start-up that must not serve, self-drafting counters, and shutdown by signal (a real process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serve_fixtures import STARTUP_TIMEOUT_S, free_port, metric, running
+from typer.testing import CliRunner
+
+import warmcap.warmup.hook
+from warmcap.cli import app as cli_app
+from warmcap.engine import build_config
+from warmcap.serve import ServeOptions, build_app
+from warmcap.warmup.audit import Violation
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+SMALL = ["--model", "tiny-llama", "--num-blocks", "128", "--capture-sizes", "1,2", "--max-num-seqs", "4"]
+
+
+def test_self_drafting_moves_spec_counters() -> None:
+    config = build_config(
+        "tiny-llama",
+        num_blocks=128,
+        max_model_len=128,
+        max_num_seqs=4,
+        speculative_config="draft_model:2",
+        device="cpu",
+    )
+    with running(build_app(config, ServeOptions(capture_sizes=[1, 3]))) as srv:
+        srv.wait_ready()
+        before = srv.metrics()
+        assert [
+            metric(before, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p) for p in "01"
+        ] == [0, 0]
+        srv.client().completions.create(
+            model="tiny-llama", prompt="Once upon a time", max_tokens=20, temperature=0
+        )
+        m = srv.metrics()
+        drafts = metric(m, "vllm:spec_decode_num_drafts_total")
+        accepted = metric(m, "vllm:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and accepted > 0
+        # A model drafting for itself has every draft accepted unless max_tokens cuts the last one.
+        engine_figure = srv.state.loop.engine.spec_metrics.acceptance_length
+        assert 1 + accepted / drafts == pytest.approx(engine_figure)
+        assert engine_figure > 2.0
+
+
+def test_audit_violation_keeps_server_from_ready(monkeypatch) -> None:
+    real_run_warmup = warmcap.warmup.hook.run_warmup
+
+    def stray_write(*args, **kwargs):
+        result = real_run_warmup(*args, **kwargs)
+        result.audit.violations.append(
+            Violation(
+                "decode_spec", "draft", "warmup-0", "full", 37, 5, 0, "block 0 is not held by the request"
+            )
+        )
+        return result
+
+    monkeypatch.setattr(warmcap.warmup.hook, "run_warmup", stray_write)
+    result = CliRunner().invoke(cli_app, ["serve", *SMALL, "--port", str(free_port())])
+    assert result.exit_code == 1, result.output
+    assert "did not become ready" in result.output and "stray KV write" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_sigterm_ends_inflight_requests_with_an_error_and_exits_0() -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable,
+        "-c",
+        "from warmcap.cli import main; main()",
+        "serve",
+        *SMALL,
+        "--max-model-len",
+        "1024",
+    ]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(base, proc)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        streaming = threading.Event()
+        outcome: list[BaseException | str] = []
+
+        def long_stream() -> None:
+            try:
+                stream = client.completions.create(
+                    model="tiny-llama",
+                    prompt="Go on:",
+                    max_tokens=1000,
+                    extra_body={"ignore_eos": True},
+                    temperature=0,
+                    stream=True,
+                )
+                for _ in stream:
+                    streaming.set()
+                outcome.append("finished without error")
+            except Exception as exc:
+                outcome.append(exc)
+            finally:
+                streaming.set()
+
+        thread = threading.Thread(target=long_stream)
+        thread.start()
+        assert streaming.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        assert proc.wait(60) == 0
+        assert len(outcome) == 1 and isinstance(outcome[0], openai.APIError), outcome
+        assert "shutting down" in str(outcome[0])
+        log = proc.stdout.read()
+        assert "engine stopped; 127 of 127 KV blocks free" in log, log[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited early: {proc.stdout.read()[-2000:]}"
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {base} not healthy after {STARTUP_TIMEOUT_S} s")
