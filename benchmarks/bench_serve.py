@@ -157,8 +157,7 @@ def main() -> None:
         outs = engine.generate(prompts, [params] * len(prompts))
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
-    # Timed before and after serving (the engine thread has stopped by then); the best counts, so
-    # a busy moment does not flatter the server.
+    # Best of two, so one busy moment on a shared machine does not flatter the server.
     offline_tps = max(offline(), offline())
     print(f"offline generate: {offline_tps:.1f} tokens/s ({len(prompts)} prompts x {args.max_tokens} tokens)")
 
