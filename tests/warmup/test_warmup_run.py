@@ -33,7 +33,7 @@ def _engine(spec: str | None, **kw) -> LLMEngine:
 @pytest.mark.parametrize("spec", KV_METHODS)
 def test_warmup_on_each_drafter_writes_only_owned_blocks(spec):
     engine = _engine(spec)
-    result = warmup_hook(engine, audit=True, strict=True)
+    result = warmup_hook(engine.startup_context, audit=True, strict=True)
     assert result.audit.ok, [str(v) for v in result.audit.violations[:5]]
     assert result.audit.slots_checked > 0
     if spec and not spec.startswith("ngram"):

@@ -19,7 +19,13 @@ from torch import nn
 
 from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.reservation import blocks_covering
-from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter, DraftGraphShape
+from warmcap.drafters.base import (
+    DRAFT_DECODE,
+    DRAFT_GROUP_PREFIX,
+    DRAFT_PREFILL,
+    BaseDrafter,
+    DraftGraphShape,
+)
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
 from warmcap.drafters.paged import DraftPass, StepView, num_drafts_allowed, run_pass
 from warmcap.models.layers import RMSNorm
@@ -116,7 +122,7 @@ class DFlashHead(TargetTiedHead):
         return self.norm(x)
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(BaseDrafter):
     """Block-parallel drafter over its own KV group, conditioned on target layers ``aux_layers``."""
 
     method = "dflash"

@@ -25,7 +25,7 @@ from warmcap.drafters.base import (
     DRAFT_DECODE,
     DRAFT_GROUP_PREFIX,
     DRAFT_PREFILL,
-    Drafter,
+    BaseDrafter,
     DraftGraphShape,
     autoregressive_graph_shapes,
 )
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(BaseDrafter):
     """Greedy drafts from a separate LM whose KV lives in ``draft.``-prefixed groups."""
 
     method = "draft_model"

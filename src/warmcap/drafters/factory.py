@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from warmcap.config import EngineConfig
-    from warmcap.drafters.base import Drafter
+    from warmcap.drafters.base import BaseDrafter
 
 RANDOM = "random"
 #: checkpoint entries of head directories that duplicate target weights we share instead
@@ -229,7 +229,7 @@ def _target_path(config: EngineConfig) -> Path:
     return path if path.is_dir() else Path(resolve_model(config.model.model))
 
 
-def build_drafter(config: EngineConfig, target: nn.Module) -> Drafter | None:
+def build_drafter(config: EngineConfig, target: nn.Module) -> BaseDrafter | None:
     """The drafter the speculative config asks for, or None (no speculation, or a P/D producer)."""
     spec = config.speculative
     if spec is None or config.num_speculative_tokens == 0:

@@ -25,7 +25,7 @@ from warmcap.drafters.base import (
     DRAFT_DECODE,
     DRAFT_GROUP_PREFIX,
     DRAFT_PREFILL,
-    Drafter,
+    BaseDrafter,
     DraftGraphShape,
     autoregressive_graph_shapes,
 )
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
-class HiddenStateDrafter(Drafter):
+class HiddenStateDrafter(BaseDrafter):
     """Runs a :class:`DraftHead` over the drafter's paged KV group."""
 
     method: ClassVar[str]
