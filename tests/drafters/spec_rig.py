@@ -47,6 +47,8 @@ class SpecRig:
     held: list[dict[str, dict[str, list[int]]]] = field(default_factory=list)
     proposals: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    #: holds the runner's recording scope open for the rig's life (its runner is never shared)
+    scope: ExitStack = field(default_factory=ExitStack)
 
     def __post_init__(self) -> None:
         config = EngineConfig(
@@ -69,8 +71,7 @@ class SpecRig:
         if self.lookahead_override is not None:
             # Test-only seam: reserve as if the drafter wrote this far ahead.
             self.scheduler.num_lookahead_tokens = self.lookahead_override
-        # Recording stays on for the rig's life (its runner is never shared).
-        ExitStack().enter_context(self.runner.recording_kv_writes(self.record))
+        self.scope.enter_context(self.runner.recording_kv_writes(self.record))
         if self.drafter is not None:
             self._spy()
 

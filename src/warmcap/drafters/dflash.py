@@ -191,7 +191,7 @@ class DFlashDrafter(BaseDrafter):
         if not aux:
             raise RuntimeError(
                 f"dflash needs the target's hidden states of layers {self.aux_layers}: "
-                "set runner.aux_hidden_state_layers before the first step"
+                "build the ModelRunner with this drafter (drafter=...) so it returns them"
             )
         ctx = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
         rows = torch.from_numpy(view.valid_state_index()).to(device)

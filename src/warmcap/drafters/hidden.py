@@ -103,7 +103,7 @@ class HiddenStateDrafter(BaseDrafter):
         if not aux:
             raise RuntimeError(
                 f"{self.method} needs the target's auxiliary hidden states of layers {self.aux_layers}: "
-                "set runner.aux_hidden_state_layers before the first step"
+                "build the ModelRunner with this drafter (drafter=...) so it returns them"
             )
         return torch.cat(list(aux), dim=-1)
 
