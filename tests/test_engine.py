@@ -163,3 +163,41 @@ def test_smollm2_greedy_matches_transformers() -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.prompt_token_ids for o in outs] == ids
     assert [o.token_ids for o in outs] == expected
+
+
+def test_engine_without_hooks_and_llm_with_enforce_eager_start_and_generate_alike() -> None:
+    eager = LLM(
+        "tiny-llama", device="cpu", max_model_len=128, num_blocks=64, block_size=16, enforce_eager=True
+    )
+    engine = eager.engine
+    # Both default hooks ran: warmup did its work, graph capture declined (enforce_eager).
+    assert set(engine.startup_results) == {"warmup", "graph_capture"}
+    assert engine.warmup_result.audit.ok and engine.graph_startup is None and engine.runner.graphs is None
+    bare = LLMEngine(engine.config, startup_hooks=[])
+    assert bare.startup_results == {} and bare.warmup_result is None and bare.runner.graphs is None
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 2, 6], [8, 9, 7, 3, 1, 4]]
+    got = [o.token_ids for o in eager.generate(prompts, greedy)]
+    # Warmup leaves no trace, so the warmed engine generates what the bare one does.
+    assert got == [o.token_ids for o in bare.generate(prompts, [greedy, greedy])]
+    assert all(len(t) == 8 for t in got)
+
+
+def test_startup_hooks_get_a_context_and_their_results_are_kept_by_name() -> None:
+    seen = []
+
+    def probe_hook(ctx):
+        seen.append(ctx)
+        return ctx.num_blocks - ctx.kv_cache_manager.pool.num_free_blocks
+
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=32),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64),
+    )
+    engine = LLMEngine(config, startup_hooks=[probe_hook])
+    [ctx] = seen
+    assert ctx.runner is engine.runner and ctx.kv_cache_manager is engine.kv_cache_manager
+    # Only the null block is in use before the first request.
+    assert engine.startup_results == {"probe": 1}
+    assert "probe" in engine.startup_timings

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,9 +34,12 @@ from warmcap.progress import progress_bar
 from warmcap.prompts import PromptType, check_token_ids, encode_text, split_prompt
 from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
 from warmcap.sampling_params import SamplingParams
+from warmcap.startup_hooks import StartupContext, StartupHook, hook_name
 from warmcap.warmup.hook import warmup_hook
 
-StartupHook = Callable[["LLMEngine"], None]
+if TYPE_CHECKING:
+    from warmcap.graphs.startup import GraphStartup
+    from warmcap.warmup.run import WarmupResult
 
 #: Hooks every new engine runs after it is built, in order (warmup and graph capture register here).
 DEFAULT_STARTUP_HOOKS: list[StartupHook] = [warmup_hook, graph_capture_hook]
@@ -60,7 +63,9 @@ class LLMEngine:
     """Continuous batching over one model: add requests, call :meth:`step` until done.
 
     ``startup_hooks`` (default: a copy of :data:`DEFAULT_STARTUP_HOOKS`) run in order once the
-    scheduler and runner exist, before the first request.
+    scheduler and runner exist, before the first request; each gets a
+    :class:`~warmcap.startup_hooks.StartupContext` and its result is kept in ``startup_results``
+    under its name (``warmup``, ``graph_capture``).
     """
 
     def __init__(self, config: EngineConfig, *, startup_hooks: Sequence[StartupHook] | None = None) -> None:
@@ -108,10 +113,8 @@ class LLMEngine:
             self.num_blocks,
             device=self.device,
             attn_backend=select_backend(self.device),
+            drafter=self.drafter,
         )
-        if self.drafter is not None:
-            self.runner.drafter = self.drafter
-            self.runner.aux_hidden_state_layers = self.drafter.aux_layers
         self.spec_metrics = SpecDecodeMetrics()
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -121,16 +124,35 @@ class LLMEngine:
             "load": t_kv - t_load,
             "kv_sizing": time.perf_counter() - t_kv,
         }
-        self.warmup_result = None
-        self.graph_startup = None
         self.startup_hooks: list[StartupHook] = list(
             DEFAULT_STARTUP_HOOKS if startup_hooks is None else startup_hooks
         )
+        #: each hook's result by :func:`~warmcap.startup_hooks.hook_name`
+        self.startup_results: dict[str, Any] = {}
+        #: what each start-up hook is given (hooks may also be run again on it later)
+        self.startup_context = StartupContext(
+            config=config,
+            device=self.device,
+            kv_groups=self.kv_groups,
+            num_blocks=self.num_blocks,
+            kv_cache_manager=self.kv_cache_manager,
+            runner=self.runner,
+        )
         for hook in self.startup_hooks:
             t_hook = time.perf_counter()
-            hook(self)
-            name = getattr(hook, "__name__", None) or getattr(getattr(hook, "func", None), "__name__", "hook")
+            name = hook_name(hook)
+            self.startup_results[name] = hook(self.startup_context)
             self.startup_timings[name] = time.perf_counter() - t_hook
+
+    @property
+    def warmup_result(self) -> WarmupResult | None:
+        """What the warmup hook did (None: it did not run)."""
+        return self.startup_results.get("warmup")
+
+    @property
+    def graph_startup(self) -> GraphStartup | None:
+        """The captured graphs (None: the graph hook did not run, or ``enforce_eager``)."""
+        return self.startup_results.get("graph_capture")
 
     # ---- requests ------------------------------------------------------------------------------
 

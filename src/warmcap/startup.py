@@ -1,7 +1,8 @@
 """``warmup run``: a full, audited start-up followed by a smoke generation, as one report.
 
 load -> size KV -> warmup (plan, audited execution, scrub) -> graph capture + verification ->
-smoke generation -> :class:`CaptureReport`.
+smoke generation -> :class:`CaptureReport`. With ``enforce_eager`` nothing is captured and the
+report says so (backend ``eager``, no graphs).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from dataclasses import dataclass
 from functools import partial
 
 from warmcap.config import EngineConfig
+from warmcap.engine import LLMEngine
 from warmcap.graphs.hook import graph_capture_hook
 from warmcap.graphs.report import CaptureReport, SpecDecodeStats, SpecInfo, WarmupAudit
+from warmcap.models.batch_invariant import is_batch_invariant
 from warmcap.sampling_params import SamplingParams
 from warmcap.warmup.hook import warmup_hook
 
@@ -29,7 +32,7 @@ SMOKE_PROMPTS = (
 class StartupRun:
     """The started engine, its report and the smoke texts."""
 
-    engine: object
+    engine: LLMEngine
     report: CaptureReport
     smoke_texts: list[str]
 
@@ -52,8 +55,6 @@ def run_startup(
     num_smoke_prompts: int = 2,
 ) -> StartupRun:
     """Start an engine with warmup and graph hooks, run a short greedy generation, build the report."""
-    from warmcap.engine import LLMEngine
-
     hooks = [
         partial(warmup_hook, audit=audit),
         partial(graph_capture_hook, backend=backend, capture_sizes=capture_sizes),
@@ -61,6 +62,8 @@ def run_startup(
     engine = LLMEngine(config, startup_hooks=hooks)
     warm = engine.warmup_result
     graphs = engine.graph_startup
+    if warm is None:
+        raise RuntimeError("the warmup hook ran but left no result")
 
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=smoke_tokens)
@@ -79,14 +82,23 @@ def run_startup(
         "warmup": warmup_seconds,
         "smoke": smoke,
     }
-    report = graphs.report(
-        model=engine.config.model.model,
-        device=str(engine.device),
-        spec=SpecInfo(spec.method, spec.num_speculative_tokens) if spec else SpecInfo(),
-        warmup_audit=WarmupAudit(**warm.audit.to_json()),
-        spec_decode=SpecDecodeStats(
+    common = {
+        "model": engine.config.model.model,
+        "device": str(engine.device),
+        "spec": SpecInfo(spec.method, spec.num_speculative_tokens) if spec else SpecInfo(),
+        "warmup_audit": WarmupAudit(**warm.audit.to_json()),
+        "spec_decode": SpecDecodeStats(
             m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, list(m.accepted_per_pos)
         ),
-        timings=timings,
-    )
+        "timings": timings,
+    }
+    if graphs is not None:
+        report = graphs.report(**common)
+    else:
+        report = CaptureReport(
+            backend="eager",
+            notes=["graphs were not captured: enforce_eager is set, so every pass ran eagerly"],
+            batch_invariant=is_batch_invariant(engine.model),
+            **common,
+        )
     return StartupRun(engine, report, [o.text for o in outputs])

@@ -4,6 +4,7 @@ snapshotting the blocks the manager holds for each request at every step, for dr
 from __future__ import annotations
 
 import random
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,8 @@ class SpecRig:
     held: list[dict[str, dict[str, list[int]]]] = field(default_factory=list)
     proposals: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    #: holds the runner's recording scope open for the rig's life (its runner is never shared)
+    scope: ExitStack = field(default_factory=ExitStack)
 
     def __post_init__(self) -> None:
         config = EngineConfig(
@@ -68,7 +71,7 @@ class SpecRig:
         if self.lookahead_override is not None:
             # Test-only seam: reserve as if the drafter wrote this far ahead.
             self.scheduler.num_lookahead_tokens = self.lookahead_override
-        self.runner.record_kv_writes = self.record
+        self.scope.enter_context(self.runner.recording_kv_writes(self.record))
         if self.drafter is not None:
             self._spy()
 
@@ -84,7 +87,8 @@ class SpecRig:
                 self.proposals.append((req_id, tokens, list(d)))
             return drafts
 
-        self.runner.drafter = type("Spy", (), {"propose": staticmethod(propose)})()
+        # The drafter stays the runner's own (its graphs and buffers too); only its method is wrapped.
+        self.drafter.propose = propose
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

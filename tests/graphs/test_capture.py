@@ -76,7 +76,8 @@ def test_verification_catches_padding_that_writes_into_a_real_block() -> None:
     rig = make_rig(k=1)
     capturer = GraphCapturer(rig.runner, "static", capture_sizes=[8])
     result = capturer.capture()
-    honest_load = capturer.load
+    target = capturer.subjects["target"]
+    honest_load = target.load
 
     def leaky_load(spec, step=None):
         honest_load(spec, step)
@@ -86,7 +87,7 @@ def test_verification_catches_padding_that_writes_into_a_real_block() -> None:
                 first_block = int(step.block_tables[g][0, 0])
                 slots[step.num_tokens : spec.num_tokens] = first_block * 4
 
-    capturer.load = leaky_load
+    target.load = leaky_load
     checks = verify_graphs(capturer, result.graphs, rig.manager)
     assert not all(c.verified for c in checks)
     assert any(c.real_rows_max_abs_diff > 1e-3 for c in checks)

@@ -61,11 +61,11 @@ def _check_startup(engine: LLMEngine, *, real_rows: float = 1e-5) -> None:
     n = len(graphs)
     assert [stage for stage, _ in order] == ["eager"] * n + ["capture"] * n
     assert [label for _, label in order[n:]] == [g.spec.label for g in graphs]
-    drafts = [g.spec.is_draft for g in graphs]
+    drafts = [g.spec.subject == "drafter" for g in graphs]
     assert drafts == sorted(drafts)
     for part in (
-        [g for g in graphs if not g.spec.is_draft],
-        [g for g in graphs if g.spec.is_draft],
+        [g for g in graphs if g.spec.subject == "target"],
+        [g for g in graphs if g.spec.subject == "drafter"],
     ):
         sizes = [g.spec.num_tokens for g in part]
         assert sizes == sorted(sizes, reverse=True)
@@ -76,7 +76,7 @@ def _check_startup(engine: LLMEngine, *, real_rows: float = 1e-5) -> None:
 def test_generation_through_graphs_equals_eager(spec: str | None) -> None:
     # Warmup is token-neutral (I3, tested in tests/warmup): the eager reference skips it for time.
     eager = LLMEngine(_config(spec, eager=True), startup_hooks=[])
-    assert eager.runner.graph_runner is None
+    assert eager.runner.graphs is None
     expected = _generate(eager, PROMPTS)
 
     engine = LLMEngine(_config(spec, eager=False))
@@ -85,13 +85,13 @@ def test_generation_through_graphs_equals_eager(spec: str | None) -> None:
     assert _generate(engine, PROMPTS) == expected
 
     runner = engine.graph_startup.graph_runner
-    assert runner is engine.runner.graph_runner
+    assert runner is engine.runner.graphs
     assert sum(runner.replays.values()) > 0
     if spec is None or not spec.startswith("ngram"):
         # Every decode step carries exactly k drafts (ngram proposes only on a match).
         q = 1 + (engine.config.num_speculative_tokens if spec else 0)
         assert sum(n for d, n in runner.replays.items() if d.uniform_query_len == q) > 0
-    phases = {g.spec.phase for g in engine.graph_startup.result.graphs if g.spec.is_draft}
+    phases = {g.spec.phase for g in engine.graph_startup.result.graphs if g.spec.subject == "drafter"}
     if spec is None or spec.startswith("ngram"):
         assert phases == set() and not runner.draft_replays
     else:

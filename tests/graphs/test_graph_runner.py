@@ -10,8 +10,9 @@ from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
 from warmcap.graphs.descriptors import BatchShape
-from warmcap.graphs.graph_runner import GraphRunner, step_shape
+from warmcap.graphs.graph_runner import GraphRunner
 from warmcap.graphs.startup import capture_graphs
+from warmcap.graphs.subjects import step_shape
 from warmcap.runner_v2.model_runner import ModelRunner
 from warmcap.sampling_params import SamplingParams
 
@@ -25,7 +26,8 @@ def _graph_step(runner: ModelRunner, graphs: GraphRunner, sched_out: SchedulerOu
     if sched_out.is_empty:
         return ModelRunnerOutput()
     step = runner.batch.prepare_inputs(sched_out)
-    hidden = graphs.forward(step)
+    replay = graphs.replay_step(step)
+    hidden = replay.output if replay is not None else None
     if hidden is None:
         runner.buffers.copy_from(step)
         hidden = runner.forward_batch(

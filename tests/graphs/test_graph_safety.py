@@ -43,7 +43,7 @@ def _check(capturer: GraphCapturer, spec: GraphSpec) -> GraphSafety:
 def test_tiny_llama_target_and_drafter_graphs_are_all_safe(spec: str) -> None:
     capturer = GraphCapturer(_engine("tiny-llama", spec).runner, "static")
     result = capturer.capture()
-    assert any(g.spec.is_draft for g in result.graphs) and any(not g.spec.is_draft for g in result.graphs)
+    assert {g.spec.subject for g in result.graphs} == {"target", "drafter"}
     for graph in result.graphs:
         capturer.load(graph.spec)
         assert check_graph_safe(capturer, graph) == GraphSafety(True), graph.spec.label
@@ -124,9 +124,9 @@ def _state(capturer: GraphCapturer, metas: dict) -> dict[str, torch.Tensor]:
             if isinstance(value, torch.nn.Module):
                 out |= {f"drafter.{attr}.{n}": t.clone() for n, t in value.state_dict().items()}
     holders = {"buffers": runner.buffers}
-    if capturer.drafts is not None:
-        holders["drafts"] = capturer.drafts.buffers
-        out |= {f"features.{p}": t.clone() for p, t in capturer.drafts.features.items()}
+    if runner.draft_buffers is not None:
+        holders["drafts"] = runner.draft_buffers.buffers
+        out |= {f"features.{p}": t.clone() for p, t in runner.draft_buffers.features.items()}
     for prefix, holder in holders.items():
         for name, value in vars(holder).items():
             if isinstance(value, torch.Tensor):
@@ -197,7 +197,7 @@ def test_cuda_planning_leaves_out_exactly_the_graphs_the_check_finds_unsafe() ->
     cuda_target = plan_target_graphs(runner, backend="cuda")
     cuda = {*cuda_target.specs, *plan_draft_graphs(runner, cuda_target, backend="cuda").specs}
     planned = [*capturer.plan.specs, *capturer.draft_plan.specs]
-    assert cuda < set(planned) and any(s.is_draft for s in cuda)
+    assert cuda < set(planned) and any(s.subject == "drafter" for s in cuda)
     assert {s for s in planned if _check(capturer, s).safe} == cuda
 
 
@@ -218,4 +218,4 @@ def test_static_capture_reports_cuda_safety_of_the_largest_graph_of_each_phase(
         assert ("cuda plan runs this phase eagerly" in r.cuda_unsafe_reason) is (r.phase in unsafe_phases)
     report = startup.report(model=model, device="cpu")
     assert report.totals.cuda_unsafe == len(unsafe_phases)
-    startup.graph_runner.runner.graph_runner = None
+    engine.runner.attach_graphs(None)

@@ -50,7 +50,7 @@ def test_mamba_self_draft_graphs_verify_and_generate_like_eager(mode: str) -> No
     engine = LLMEngine(_config("tiny-hybrid", SELF_DRAFT, mode=mode), startup_hooks=[graph_capture_hook])
     startup = engine.graph_startup
     assert any(isinstance(g.spec, MambaSpec) for g in engine.runner.drafter.graph_groups())
-    drafts = [g for g in startup.result.graphs if g.spec.is_draft]
+    drafts = [g for g in startup.result.graphs if g.spec.subject == "drafter"]
     assert {g.spec.phase for g in drafts} == {DRAFT_PREFILL, DRAFT_DECODE}
     assert len(startup.checks) == len(startup.result.graphs)
     for check in startup.checks:
@@ -109,7 +109,7 @@ def _draft_checks(
     ``tamper`` applied after each replay to the drafter layers of spec ``kinds``."""
     runner = engine.runner
     capturer = GraphCapturer(runner, "static", capture_sizes=[4, 8])
-    graphs = [g for g in capturer.capture().graphs if g.spec.is_draft]
+    graphs = [g for g in capturer.capture().graphs if g.spec.subject == "drafter"]
     caches = [
         (runner.kv_caches.tensors[layer], KV_LAYOUTS[g.spec.kind].block_dim)
         for g in runner.drafter.graph_groups()

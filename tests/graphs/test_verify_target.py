@@ -170,7 +170,7 @@ def test_each_run_reads_the_state_the_reference_read(
 def test_every_graph_of_the_presets_verifies(model: str, spec: str | None, mode: str) -> None:
     engine = _engine(model, spec, mode=mode)
     capturer, graphs = _capture(engine, drafter_graphs=True)
-    assert any(g.spec.is_draft for g in graphs) == (spec is not None)
+    assert any(g.spec.subject == "drafter" for g in graphs) == (spec is not None)
     checks = verify_graphs(capturer, graphs, engine.kv_cache_manager)
     assert len(checks) == len(graphs)
     for check in checks:

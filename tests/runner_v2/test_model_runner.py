@@ -3,6 +3,8 @@ recompute, drafts are verified exactly, every KV write lands in a held block."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 from runner_fakes import LoopPagedAttention, MiniScheduler, TinyAttnModel
 
@@ -36,7 +38,8 @@ PROMPTS = {"a": [3, 1, 4, 1, 5, 9, 2, 6, 5], "b": [2, 7], "c": [1, 6, 1, 8, 0, 3
 
 def test_paged_chunked_batched_greedy_equals_full_recompute() -> None:
     model, runner, sched = _setup()
-    runner.record_kv_writes = True
+    recording = ExitStack()
+    recording.enter_context(runner.recording_kv_writes())
     firsts: dict[str, torch.Tensor] = {}
 
     def hook(req_ids, num_logits, logits):
@@ -54,6 +57,7 @@ def test_paged_chunked_batched_greedy_equals_full_recompute() -> None:
         sched.update(out, runner.execute_model(out))
         steps += 1
     runner.execute_model(sched.schedule())  # delivers the last finish
+    recording.close()
     assert runner.batch.num_reqs == 0
     for req_id, tokens in sched.done.items():
         expected, first_logits = model.dense_greedy(PROMPTS[req_id], len(tokens))

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.engine import LLMEngine
+from warmcap.graphs.report import CaptureReport, report_schema
 from warmcap.sampling_params import SamplingParams
+from warmcap.startup import run_startup
 from warmcap.warmup.hook import warmup_hook
 from warmcap.warmup.planner import plan_warmup
 from warmcap.warmup.run import BatchSnapshot, run_warmup
@@ -33,7 +38,7 @@ def _engine(spec: str | None, **kw) -> LLMEngine:
 @pytest.mark.parametrize("spec", KV_METHODS)
 def test_warmup_on_each_drafter_writes_only_owned_blocks(spec):
     engine = _engine(spec)
-    result = warmup_hook(engine, audit=True, strict=True)
+    result = warmup_hook(engine.startup_context, audit=True, strict=True)
     assert result.audit.ok, [str(v) for v in result.audit.violations[:5]]
     assert result.audit.slots_checked > 0
     if spec and not spec.startswith("ngram"):
@@ -117,3 +122,20 @@ def test_scrub_is_what_makes_generation_clean():
     finally:
         run_mod.scrub = original
     assert _generate(engine) != fresh
+
+
+def test_warmup_run_with_enforce_eager_reports_that_no_graph_was_captured():
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", device="cpu", enforce_eager=True),
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128),
+    )
+    run = run_startup(config, smoke_tokens=4, num_smoke_prompts=1)
+    report = run.report
+    assert report.backend == "eager" and report.graphs == [] and run.engine.runner.graphs is None
+    assert any("not captured" in note for note in report.notes)
+    assert report.warmup_audit.violations == 0 and report.warmup_audit.slots_checked > 0
+    assert not run.failed_verification and len(run.smoke_texts) == 1
+    data = json.loads(report.to_json())
+    jsonschema.validate(data, report_schema(), cls=jsonschema.Draft202012Validator)
+    assert CaptureReport.from_dict(data).backend == "eager"

@@ -8,7 +8,7 @@ every target step through the runner's ``drafter`` hook.
 
 from __future__ import annotations
 
-from warmcap.drafters.base import DRAFT_GROUP_PREFIX, Drafter, DraftGraphShape
+from warmcap.drafters.base import DRAFT_GROUP_PREFIX, BaseDrafter, DraftGraphShape
 from warmcap.drafters.factory import build_drafter
 
-__all__ = ["DRAFT_GROUP_PREFIX", "DraftGraphShape", "Drafter", "build_drafter"]
+__all__ = ["DRAFT_GROUP_PREFIX", "BaseDrafter", "DraftGraphShape", "build_drafter"]

@@ -20,7 +20,7 @@ import torch
 from warmcap.drafters.base import (
     DRAFT_DECODE,
     DRAFT_PREFILL,
-    Drafter,
+    BaseDrafter,
     DraftGraphShape,
     autoregressive_graph_shapes,
 )
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
-class AutoregressiveDrafter(Drafter):
+class AutoregressiveDrafter(BaseDrafter):
     """k sequential passes per engine step over the drafter's own paged KV groups."""
 
     #: draft i (i = 1 .. k-1) is fed at position ``P + i + step_offset``, ``P`` the sampled token's

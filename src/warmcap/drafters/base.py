@@ -1,14 +1,14 @@
-"""The drafter interface: which KV groups a drafter writes, how far ahead, and what it proposes."""
+"""The drafter base class: which KV groups a drafter writes, how far ahead, and what it proposes."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from warmcap.core.kv_spec import group_layers
 from warmcap.errors import ConfigError
+from warmcap.runner_v2.collaborators import DRAFT_DECODE, DRAFT_PREFILL, DraftGraphShape
 from warmcap.spec_methods import spec_method
 
 if TYPE_CHECKING:
@@ -21,22 +21,15 @@ if TYPE_CHECKING:
     from warmcap.runner_v2.model_runner import ModelRunner
 
 DRAFT_GROUP_PREFIX = "draft."
-DRAFT_PREFILL = "draft_prefill"
-DRAFT_DECODE = "draft_decode"
 
-
-@dataclass(frozen=True, slots=True)
-class DraftGraphShape:
-    """One forward a drafter runs per engine step, for the graphs helper to capture.
-
-    ``query_len`` is the tokens per request (uniform across the batch); ``None`` means ragged (a
-    draft prefill over each request's new tokens). ``repeats`` is how many times the shape runs per
-    engine step (k - 1 autoregressive draft decodes, for instance).
-    """
-
-    phase: str  # "draft_prefill" or "draft_decode"
-    query_len: int | None
-    repeats: int = 1
+__all__ = [
+    "DRAFT_DECODE",
+    "DRAFT_GROUP_PREFIX",
+    "DRAFT_PREFILL",
+    "BaseDrafter",
+    "DraftGraphShape",
+    "autoregressive_graph_shapes",
+]
 
 
 def autoregressive_graph_shapes(num_speculative_tokens: int) -> list[DraftGraphShape]:
@@ -47,8 +40,10 @@ def autoregressive_graph_shapes(num_speculative_tokens: int) -> list[DraftGraphS
     return shapes
 
 
-class Drafter(ABC):
-    """A speculative-decoding proposer.
+class BaseDrafter(ABC):
+    """A speculative-decoding proposer: the base every drafter derives from. It satisfies the
+    runner's :class:`warmcap.runner_v2.collaborators.Drafter` protocol, the one drafter type the
+    runner and graph capture know.
 
     Subclasses set ``method``; its entry in ``spec_methods.METHODS`` says how many KV slots past a
     request's scheduled tokens the drafter writes (``lookahead``). That number must equal the

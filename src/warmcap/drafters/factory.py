@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from warmcap.config import EngineConfig
-    from warmcap.drafters.base import Drafter
+    from warmcap.drafters.base import BaseDrafter
     from warmcap.drafters.heads import TargetTiedHead
 
 RANDOM = "random"
@@ -196,7 +196,7 @@ def _target_path(config: EngineConfig) -> Path:
     return path if path.is_dir() else Path(resolve_model(config.model.model))
 
 
-def build_drafter(config: EngineConfig, target: nn.Module) -> Drafter | None:
+def build_drafter(config: EngineConfig, target: nn.Module) -> BaseDrafter | None:
     """The drafter the speculative config asks for, or None (no speculation, or a P/D producer):
     the class registered for the method, given the weights its table entry says it drafts with."""
     spec = config.speculative

@@ -23,7 +23,7 @@ import torch
 
 from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.drafters.autoregressive import AutoregressiveDrafter
-from warmcap.drafters.base import DRAFT_GROUP_PREFIX, DRAFT_PREFILL, Drafter
+from warmcap.drafters.base import DRAFT_GROUP_PREFIX, DRAFT_PREFILL, BaseDrafter
 from warmcap.drafters.heads import DeepseekMTPHead, DraftHead, Eagle3Head, EagleHead, MTPHead, TargetTiedHead
 from warmcap.drafters.paged import DraftPass, StepView, draft_context
 from warmcap.drafters.registry import register
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
-class HeadDrafter(Drafter):
+class HeadDrafter(BaseDrafter):
     """A drafter running a head tied to the target over its own ``draft.`` KV groups, conditioned
     on the target's hidden states (the final ones, or the inputs of ``aux_layers``)."""
 
@@ -70,7 +70,7 @@ class HeadDrafter(Drafter):
         if not aux:
             raise RuntimeError(
                 f"{self.method} needs the target's auxiliary hidden states of layers {self.aux_layers}: "
-                "set runner.aux_hidden_state_layers before the first step"
+                "build the ModelRunner with this drafter (drafter=...) so it returns them"
             )
         return torch.cat(list(aux), dim=-1)
 

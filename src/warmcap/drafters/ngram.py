@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from warmcap.drafters.base import Drafter
+from warmcap.drafters.base import BaseDrafter
 from warmcap.drafters.paged import StepView, num_drafts_allowed
 from warmcap.drafters.registry import register
 
@@ -38,7 +38,7 @@ def ngram_propose(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: i
 
 
 @register
-class NgramDrafter(Drafter):
+class NgramDrafter(BaseDrafter):
     """Prompt lookup over each request's own tokens; no model, no KV, no lookahead."""
 
     method = "ngram"
@@ -46,7 +46,7 @@ class NgramDrafter(Drafter):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         spec = config.speculative
-        assert spec is not None  # checked by Drafter.__init__
+        assert spec is not None  # checked by BaseDrafter.__init__
         self.min_n = spec.prompt_lookup_min
         self.max_n = spec.prompt_lookup_max
 

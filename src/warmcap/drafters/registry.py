@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, TypeVar
 from warmcap.spec_methods import METHODS, spec_method
 
 if TYPE_CHECKING:
-    from warmcap.drafters.base import Drafter
+    from warmcap.drafters.base import BaseDrafter
 
-D = TypeVar("D", bound="type[Drafter]")
+D = TypeVar("D", bound="type[BaseDrafter]")
 
-_CLASSES: dict[str, type[Drafter]] = {}
+_CLASSES: dict[str, type[BaseDrafter]] = {}
 
 
 def register(cls: D) -> D:
@@ -30,7 +30,7 @@ def register(cls: D) -> D:
     return cls
 
 
-def drafter_class(method: str) -> type[Drafter]:
+def drafter_class(method: str) -> type[BaseDrafter]:
     """The drafter class registered for ``method`` (a table method without one is a bug)."""
     cls = _CLASSES.get(spec_method(method).name)
     if cls is None:

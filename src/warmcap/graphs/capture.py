@@ -6,9 +6,10 @@ benign all-padding batches (every slot PAD, every row ``seq_len`` 0), so capture
 but the sink block. Each shape keeps the metadata objects of its eager pass: backends that plan
 per metadata object (FlashInfer) find the plan the eager pass made.
 
-Target graphs output the final hidden states and, when the runner asks for them (EAGLE-3,
-DFlash), the auxiliary hidden states of its ``aux_hidden_state_layers`` as further static outputs.
-Drafter graphs run :meth:`Drafter.forward_pass` over :class:`DraftStatics`.
+What a graph records is its spec's *subject* (:mod:`warmcap.graphs.subjects`): target graphs
+output the final hidden states and, when the runner asks for them (EAGLE-3, DFlash), the auxiliary
+hidden states of its ``aux_hidden_state_layers`` as further static outputs; drafter graphs run the
+drafter's ``forward_pass`` over the runner's drafter buffers.
 
 Mamba state columns are planned on the host per step (``runner_v2.mamba_state``): a shape's
 metadata holds *static* ``MambaMetadata`` (made once), which every eager pass over it refills in
@@ -36,16 +37,14 @@ import torch
 from warmcap.errors import ConfigError
 from warmcap.graphs.graph_safety import GraphSafety, check_graph_safe
 from warmcap.graphs.planning import GraphPlan, GraphSpec, plan_draft_graphs, plan_target_graphs
-from warmcap.graphs.static_inputs import DraftStatics, empty_step, graph_metadata, load_padded
+from warmcap.graphs.static_inputs import graph_metadata
+from warmcap.graphs.subjects import GraphSubject, Outputs, make_subjects
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
     from warmcap.runner_v2.model_runner import ModelRunner
 
 GRAPH_BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
-
-#: ``(output, aux outputs)`` of one pass
-Outputs = tuple[torch.Tensor, list[torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -106,27 +105,29 @@ class GraphCapturer:
         self.draft_plan = (
             plan_draft_graphs(runner, self.plan, backend=backend) if drafter_graphs else GraphPlan([], [], [])
         )
-        self.drafts: DraftStatics | None = (
-            DraftStatics.for_runner(runner, runner.drafter) if self.draft_plan.specs else None
-        )
+        self.subjects: dict[str, GraphSubject[Any]] = make_subjects(runner)
         self._metas: dict[str, dict[str, AttentionMetadata]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if backend == "cuda" else None
 
-    def load(self, spec: GraphSpec, step: Any | None = None) -> None:
-        """Fill ``spec``'s static buffers with ``step`` (default: all padding) in its shape. For a
-        drafter spec, ``step`` is ignored: load real drafter passes through :attr:`drafts`."""
-        if spec.is_draft:
-            self._draft_statics().load(spec)
-            return
-        buffers = self.runner.buffers
-        load_padded(buffers, step if step is not None else empty_step(buffers), spec)
+    def subject(self, spec: GraphSpec) -> GraphSubject[Any]:
+        """What ``spec`` records."""
+        subject = self.subjects.get(spec.subject)
+        if subject is None:
+            raise ConfigError(f"{spec.label!r} records the {spec.subject}, which this runner does not have")
+        return subject
+
+    def load(self, spec: GraphSpec, inputs: Any | None = None) -> None:
+        """Fill ``spec``'s static buffers with ``inputs`` (default: all padding) in its shape: a
+        ``StepInputs`` for a target graph, a :class:`~warmcap.graphs.subjects.DraftInputs` for a
+        drafter graph."""
+        self.subject(spec).load(spec, inputs)
 
     def metadata(self, spec: GraphSpec) -> dict[str, AttentionMetadata]:
         """``spec``'s fixed metadata over its static buffers (made once, right after a load), Mamba
         groups' entries included (static: refilled in place for whatever is loaded)."""
         metas = self._metas.get(spec.label)
         if metas is None:
-            buffers = self._draft_statics().buffers if spec.is_draft else self.runner.buffers
+            buffers = self.subject(spec).buffers
             metas = self.refresh_states(spec, graph_metadata(buffers, spec, self.runner.max_model_len))
             self._metas[spec.label] = metas
         return metas
@@ -134,12 +135,9 @@ class GraphCapturer:
     def refresh_states(
         self, spec: GraphSpec, metas: dict[str, AttentionMetadata]
     ) -> dict[str, AttentionMetadata]:
-        """Mamba state columns of the step loaded in ``spec``'s buffers, written into ``metas``'
-        static entries in place (plain entries become static ones: keep the returned dict)."""
-        runner = self.runner
-        if not spec.is_draft:
-            return runner.state_metadata(metas, static=True)
-        return runner.drafter.state_metadata(runner, metas, static=True)
+        """State columns of the pass loaded in ``spec``'s buffers, written into ``metas``' static
+        entries in place (plain entries become static ones: keep the returned dict)."""
+        return self.subject(spec).refresh(spec, metas)
 
     def eager(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> torch.Tensor:
         """The eager forward over the loaded static buffers with ``spec``'s fixed metadata."""
@@ -147,12 +145,7 @@ class GraphCapturer:
 
     def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
         """Output and auxiliary outputs of one eager pass over the loaded static buffers."""
-        runner = self.runner
-        if spec.is_draft:
-            ids, positions, features = self._draft_statics().inputs(spec)
-            return runner.drafter.forward_pass(runner, spec.phase, metas, ids, positions, features), []
-        hidden = runner.forward_batch(spec.num_tokens, metas)
-        return hidden, list(runner.last_aux_hidden_states)
+        return self.subject(spec).forward(spec, metas)
 
     @torch.inference_mode()
     def capture(self) -> CaptureResult:
@@ -231,11 +224,6 @@ class GraphCapturer:
 
     def _compiled(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Callable[[], Outputs]:
         return torch.compile(lambda: self.forward(spec, metas), dynamic=False, fullgraph=False)
-
-    def _draft_statics(self) -> DraftStatics:
-        if self.drafts is None:
-            raise ConfigError("this capturer planned no drafter graphs: the runner's drafter has none")
-        return self.drafts
 
     def _sync(self) -> None:
         if self.backend == "cuda":

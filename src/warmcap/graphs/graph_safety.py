@@ -3,8 +3,8 @@
 The ``static`` backend runs a graph's forward eagerly, so it cannot tell whether the same code
 would survive ``torch.cuda.graph`` capture. :func:`check_graph_safe` runs the exact forward the
 capturer records (:meth:`GraphCapturer.forward`) under ``FakeTensorMode`` with every tensor it
-touches replaced by a fake: model parameters and buffers (target and drafter modules), the KV
-cache tensors, the static step buffers (and the drafter's statics) and every tensor field of the
+touches replaced by a fake: model parameters and buffers (every subject's modules), the KV
+cache tensors, the static step buffers (and the drafter's buffers) and every tensor field of the
 attention metadata. Fakes have shapes but no data, so what a capture cannot record raises:
 
 - host reads of device data (``.item()``, ``.tolist()``, ``int(t)``, ``bool(t)``, ``torch.equal``):
@@ -28,9 +28,9 @@ Boundary of the checked region (what a replay does on the host vs. what is recor
 - Inside (checked): everything else :meth:`GraphCapturer.forward` does, from the embedding to the
   last norm, the attention backend included.
 
-Nothing real is written: the fakes are installed by swapping attributes (runner buffers, KV
-caches, drafter statics, module parameters) and restored in a ``finally``, along with the
-attention backend's plan caches. A real tensor the check did not fake is never written either: an
+Nothing real is written: the runner runs the forward over fake buffers and caches through its
+scoped ``ModelRunner.substituted``, module parameters are swapped for fakes and restored in a
+``finally``, along with the attention backend's plan caches. A real tensor the check did not fake is never written either: an
 op that would write one stops the check (reported as not safe, "check incomplete").
 
 Scope: backends written in torch ops (``torch``, ``torch_mla``). Kernels without a fake
@@ -60,9 +60,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from warmcap.errors import ConfigError
 from warmcap.graphs.planning import GraphSpec
-from warmcap.graphs.static_inputs import DraftStatics
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:
@@ -111,8 +109,7 @@ def check_graph_safe(
         spec, metas = graph.spec, graph.metas if metas is None else metas
     if metas is None:
         raise ValueError(f"check_graph_safe needs the static metadata of {spec.label!r} (metas=...)")
-    if spec.is_draft and capturer.drafts is None:
-        raise ConfigError(f"{spec.label!r} is a drafter graph but this capturer planned no drafter graphs")
+    capturer.subject(spec)  # a ConfigError when the runner has nothing this graph records
     planned = _host_prelude(capturer, spec, dict(metas))
     faker = _Faker(FakeTensorMode(allow_non_fake_inputs=True), capturer.runner.device)
     try:
@@ -194,46 +191,43 @@ class _Faker:
 
 @contextmanager
 def _fakes_installed(capturer: GraphCapturer, faker: _Faker) -> Iterator[None]:
-    """Point the runner, its modules and the capturer at fakes; restore everything on exit."""
+    """Run the runner over fake buffers and caches and every subject's modules over fake
+    parameters; restore everything on exit."""
     runner = capturer.runner
-    buffers, kv_caches, drafts = runner.buffers, runner.kv_caches, capturer.drafts
-    aux = runner.last_aux_hidden_states
+    kv_caches, statics = runner.kv_caches, runner.draft_buffers
+    fake_kv = copy.copy(kv_caches)
+    fake_kv.tensors = {name: faker.tensor(t, name) for name, t in kv_caches.tensors.items()}
+    fake_statics = None
+    if statics is not None:
+        fake_statics = copy.copy(statics)
+        fake_statics.buffers = faker.copy(statics.buffers)
+        fake_statics.features = faker.value(statics.features, "features")
     backend_state = _containers(runner.attn_backend)
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     try:
-        runner.buffers = faker.copy(buffers)
-        fake_kv = copy.copy(kv_caches)
-        fake_kv.tensors = {name: faker.tensor(t, name) for name, t in kv_caches.tensors.items()}
-        runner.kv_caches = fake_kv
-        if drafts is not None:
-            capturer.drafts = DraftStatics(
-                faker.copy(drafts.buffers), faker.value(drafts.features, "features")
-            )
         for module in _modules(capturer):
             for table in (module._parameters, module._buffers):
                 for name, t in table.items():
                     if t is not None:
                         swapped.append((table, name, t))
                         table[name] = faker.tensor(t, name)
-        yield
+        with runner.substituted(
+            buffers=faker.copy(runner.buffers), kv_caches=fake_kv, draft_buffers=fake_statics
+        ):
+            yield
     finally:
         for table, name, t in reversed(swapped):
             table[name] = t
-        runner.buffers, runner.kv_caches, capturer.drafts = buffers, kv_caches, drafts
-        runner.last_aux_hidden_states = aux
         _restore_containers(runner.attn_backend, backend_state)
 
 
 def _modules(capturer: GraphCapturer) -> list[nn.Module]:
-    """Every module the target or the drafter may run (drafter modules are its module attributes)."""
-    runner = capturer.runner
-    roots = [runner.model]
-    if runner.drafter is not None:
-        roots += [v for v in vars(runner.drafter).values() if isinstance(v, nn.Module)]
+    """Every module any of the runner's subjects may run."""
     seen: dict[int, nn.Module] = {}
-    for root in roots:
-        for module in root.modules():
-            seen.setdefault(id(module), module)
+    for subject in capturer.subjects.values():
+        for root in subject.modules():
+            for module in root.modules():
+                seen.setdefault(id(module), module)
     return list(seen.values())
 
 

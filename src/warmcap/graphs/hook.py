@@ -1,4 +1,4 @@
-"""The engine start-up hook for graphs: capture every shape, verify each, install for serving."""
+"""The graph start-up hook: capture every shape, verify each, attach them to the runner."""
 
 from __future__ import annotations
 
@@ -7,22 +7,21 @@ from typing import TYPE_CHECKING
 from warmcap.graphs.startup import GraphStartup, capture_graphs
 
 if TYPE_CHECKING:
-    from warmcap.engine import LLMEngine
+    from warmcap.startup_hooks import StartupContext
 
 
 def graph_capture_hook(
-    engine: LLMEngine,
+    ctx: StartupContext,
     *,
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
     verify: bool = True,
 ) -> GraphStartup | None:
-    """Capture the engine runner's graphs (``cuda`` on a GPU, ``static`` elsewhere) after warmup;
-    nothing when the config says ``enforce_eager``."""
-    if engine.config.model.enforce_eager:
+    """Capture the runner's graphs (``cuda`` on a GPU, ``static`` elsewhere) after warmup; None
+    when the config says ``enforce_eager``. The engine keeps the result as
+    ``startup_results["graph_capture"]``."""
+    if ctx.config.model.enforce_eager:
         return None
-    startup = capture_graphs(
-        engine.runner, engine.kv_cache_manager, backend=backend, capture_sizes=capture_sizes, verify=verify
+    return capture_graphs(
+        ctx.runner, ctx.kv_cache_manager, backend=backend, capture_sizes=capture_sizes, verify=verify
     )
-    engine.graph_startup = startup
-    return startup

@@ -13,16 +13,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from warmcap.core.kv_spec import MambaSpec
-from warmcap.drafters.base import DRAFT_DECODE, DRAFT_PREFILL
 from warmcap.graphs.descriptors import BatchDescriptor, CUDAGraphMode
 from warmcap.graphs.sizes import default_capture_sizes, uniform_decode_sizes
 from warmcap.models.mamba2 import MAX_UNIFORM_QUERY_LEN
+from warmcap.runner_v2.collaborators import DRAFT_DECODE, DRAFT_PREFILL
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.runner_v2.model_runner import ModelRunner
+
+
+#: the subjects a graph may record (:mod:`warmcap.graphs.subjects`)
+TARGET = "target"
+DRAFTER = "drafter"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +57,10 @@ class GraphSpec:
         return f"{self.phase} {self.descriptor.label}"
 
     @property
-    def is_draft(self) -> bool:
-        """Whether this is a drafter pass (its static inputs are the drafter's, not the runner's)."""
-        return self.phase in (DRAFT_PREFILL, DRAFT_DECODE)
+    def subject(self) -> str:
+        """What the graph records: ``drafter`` passes (over the drafter's buffers) or ``target``
+        steps."""
+        return DRAFTER if self.phase in (DRAFT_PREFILL, DRAFT_DECODE) else TARGET
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +146,9 @@ def plan_draft_graphs(runner: ModelRunner, target: GraphPlan, *, backend: str = 
     ``1..max_num_seqs`` requests. Empty for drafters without graph shapes (ngram). ``backend`` as
     for :func:`plan_target_graphs` (a draft LM with Mamba layers gets no draft prefills on ``cuda``)."""
     drafter = runner.drafter
-    shapes_of = getattr(drafter, "graph_shapes", None)
-    shapes = shapes_of() if shapes_of is not None else []
-    if not shapes or not drafter.graph_groups():
+    if drafter is None or runner.draft_buffers is None or not drafter.graph_shapes():
         return GraphPlan([], [], [])
+    shapes = drafter.graph_shapes()
     mamba = _records_mamba(backend, drafter.graph_groups())
     max_reqs = runner.max_num_reqs
     notes: list[str] = []

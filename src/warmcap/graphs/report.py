@@ -21,11 +21,12 @@ from warmcap.errors import ConfigError
 
 REPORT_VERSION = 1
 PHASES: tuple[str, ...] = ("decode", "mixed", "sparse_mla", "draft_prefill", "draft_decode")
-BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
+#: ``eager``: no graph was captured (``enforce_eager``), every pass ran eagerly
+BACKENDS: tuple[str, ...] = ("cuda", "static", "compile", "eager")
 TIMING_KEYS: tuple[str, ...] = ("load", "kv_sizing", "warmup", "capture", "verify", "smoke")
 
 Phase = Literal["decode", "mixed", "sparse_mla", "draft_prefill", "draft_decode"]
-Backend = Literal["cuda", "static", "compile"]
+Backend = Literal["cuda", "static", "compile", "eager"]
 
 
 @dataclass(frozen=True, slots=True)

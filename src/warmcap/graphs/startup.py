@@ -1,5 +1,5 @@
-"""Start-up entry point: capture (target, then drafter graphs), verify, install the graph runner,
-and describe it for the report."""
+"""Start-up entry point: capture (target, then drafter graphs), verify, attach the graph runner
+to the model runner, and describe it for the report."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def default_backend(runner: ModelRunner) -> str:
 
 @dataclass(slots=True)
 class GraphStartup:
-    """What graph start-up produced: the installed runner, records for the report, timings."""
+    """What graph start-up produced: the attached graph runner, records for the report, timings."""
 
     backend: str
     capturer: GraphCapturer
@@ -102,8 +102,8 @@ def capture_graphs(
     capture_sizes: list[int] | None = None,
     verify: bool = True,
 ) -> GraphStartup:
-    """Capture the runner's target and drafter graphs, verify each (I4), and install them for
-    serving (``runner.graph_runner``)."""
+    """Capture the runner's target and drafter graphs, verify each (I4), and attach them for
+    serving (``runner.attach_graphs``)."""
     chosen = backend or default_backend(runner)
     capturer = GraphCapturer(runner, chosen, capture_sizes=capture_sizes)
     start = time.perf_counter()
@@ -111,8 +111,8 @@ def capture_graphs(
     captured = time.perf_counter()
     checks = verify_graphs(capturer, result.graphs, kv_cache_manager) if verify else []
     verified = time.perf_counter()
-    graph_runner = GraphRunner(runner, result.graphs, capturer.drafts)
-    graph_runner.install()
+    graph_runner = GraphRunner(capturer.subjects, result.graphs)
+    runner.attach_graphs(graph_runner)
     notes = list(result.notes)
     notes += [f"{c.label}: not verified ({c.reason})" for c in checks if c.reason]
     return GraphStartup(

@@ -1,10 +1,10 @@
 """Loading batches into static buffers in the shape of a graph.
 
 Target graphs use the runner's own :class:`~warmcap.runner_v2.step_buffers.StepBuffers` (sized to
-the maximum plus one spare padding row, refilled by ``copy_from``). Drafter graphs get a second
-``StepBuffers`` over the drafter's KV groups plus one feature buffer per phase that reads hidden
-states (:class:`DraftStatics`). This module adds what graphs need on top: benign all-padding
-inputs, uniform spreading of padded tokens, and metadata whose host-side sizes are fixed per graph.
+the maximum plus one spare padding row, refilled by ``copy_from``); drafter graphs the runner's
+drafter buffers (:class:`~warmcap.runner_v2.draft_buffers.DraftBuffers`). This module adds what
+graphs need on top: benign all-padding inputs, uniform spreading of padded tokens, and metadata
+whose host-side sizes are fixed per graph.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from warmcap.drafters.base import DRAFT_DECODE, DRAFT_PREFILL
 from warmcap.runner_v2.input_batch import StepInputs
 from warmcap.runner_v2.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
-    from warmcap.drafters.base import Drafter
-    from warmcap.drafters.paged import DraftPass
     from warmcap.graphs.planning import GraphSpec
-    from warmcap.runner_v2.model_runner import ModelRunner
+    from warmcap.runner_v2.collaborators import DraftPass
 
 
 def empty_step(buffers: StepBuffers) -> StepInputs:
@@ -83,83 +80,18 @@ def graph_metadata(buffers: StepBuffers, spec: GraphSpec, max_model_len: int) ->
     }
 
 
-@dataclass(slots=True)
-class DraftStatics:
-    """Static inputs of drafter graphs: layout buffers over the drafter's groups, token ids and
-    positions in them, and a feature buffer per phase whose passes read hidden states."""
+@dataclass(frozen=True, slots=True)
+class DraftInputs:
+    """A drafter pass to load: its layout, token ids ``[T]`` and features ``[T, F]`` (or None)."""
 
-    buffers: StepBuffers
-    features: dict[str, torch.Tensor]
+    dp: DraftPass
+    input_ids: torch.Tensor
+    features: torch.Tensor | None = None
 
-    @classmethod
-    def for_runner(cls, runner: ModelRunner, drafter: Drafter) -> DraftStatics:
-        # Normal tensors even under inference mode: attention backends track their versions.
-        with torch.inference_mode(False):
-            buffers = StepBuffers(
-                max_num_tokens=runner.max_num_tokens,
-                max_num_reqs=runner.max_num_reqs,
-                max_blocks_per_req=runner.max_blocks_per_req,
-                group_block_sizes={g.name: g.spec.block_size for g in drafter.graph_groups()},
-                device=runner.device,
-            )
-            features = {}
-            for phase in (DRAFT_PREFILL, DRAFT_DECODE):
-                spec = drafter.feature_spec(phase)
-                if spec is not None:
-                    width, dtype = spec
-                    features[phase] = torch.zeros(
-                        runner.max_num_tokens, width, dtype=dtype, device=runner.device
-                    )
-        return cls(buffers, features)
+    @property
+    def num_tokens(self) -> int:
+        return self.dp.num_tokens
 
-    def inputs(self, spec: GraphSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Static token ids, positions and features (or None) of ``spec``'s token count."""
-        t = spec.num_tokens
-        feats = self.features.get(spec.phase)
-        return (
-            self.buffers.input_ids[:t],
-            self.buffers.positions[:t],
-            feats[:t] if feats is not None else None,
-        )
-
-    def load(
-        self,
-        spec: GraphSpec,
-        dp: DraftPass | None = None,
-        block_tables: dict[str, torch.Tensor] | None = None,
-        input_ids: torch.Tensor | None = None,
-        features: torch.Tensor | None = None,
-    ) -> None:
-        """Load drafter pass ``dp`` (default: no request, all padding) padded to ``spec``:
-        ``block_tables`` are its host rows per drafter group, ``input_ids`` [T] and ``features``
-        [T, F] device tensors. Padded tokens get id 0, position 0, slot PAD and zero features."""
-        b = self.buffers
-        if dp is None:
-            empty = empty_step(b)
-            qsl, positions, seq_lens, tables = (
-                empty.query_start_loc,
-                empty.positions,
-                empty.seq_lens,
-                empty.block_tables,
-            )
-        else:
-            qsl, positions, seq_lens = dp.query_start_loc, dp.positions, dp.seq_lens
-            tables = block_tables or {}
-        b.load_layout(
-            query_start_loc=qsl,
-            positions=positions,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            num_tokens_padded=spec.num_tokens,
-            num_reqs_padded=spec.rows,
-        )
-        spread_uniform_padding(b, spec)
-        t, tp = b.num_tokens, b.num_tokens_padded
-        if input_ids is not None:
-            b.input_ids[:t].copy_(input_ids)
-        b.input_ids[t:tp].zero_()
-        feats = self.features.get(spec.phase)
-        if feats is not None:
-            if features is not None:
-                feats[:t].copy_(features)
-            feats[t:tp].zero_()
+    @property
+    def num_reqs(self) -> int:
+        return self.dp.num_reqs

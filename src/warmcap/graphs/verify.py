@@ -2,7 +2,7 @@
 
 For each graph, target or drafter, a real batch with fewer requests / tokens than the graph holds
 (so there is padding) is laid out on blocks taken from the KV cache manager; its rows' contexts are
-written by eager prefills (:mod:`warmcap.graphs.verify_target`, :mod:`warmcap.graphs.verify_draft`), then
+written by eager prefills (the graph's subject sets the batch up: :mod:`warmcap.graphs.verify_batch`), then
 
 1. the unpadded batch runs eagerly (the reference for real rows),
 2. the batch is padded into the graph's buffers and replayed,
@@ -28,8 +28,6 @@ the free queue) and zeroed, so verification leaves no trace in the pool or the K
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,7 +35,7 @@ import numpy as np
 import torch
 
 from warmcap.core.kv_spec import MambaSpec
-from warmcap.core.request import Request
+from warmcap.graphs.verify_batch import Passes, PoolTooSmallError, layout_for, scratch_tables
 from warmcap.models.batch_invariant import is_batch_invariant
 from warmcap.runner_v2.kv_cache import KV_LAYOUTS
 from warmcap.runner_v2.mamba_state import MambaMetadata
@@ -47,10 +45,6 @@ if TYPE_CHECKING:
     from warmcap.core.kv_cache_manager import KVCacheManager
     from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.graphs.capture import CapturedGraph, GraphCapturer
-    from warmcap.graphs.planning import GraphSpec
-    from warmcap.runner_v2.model_runner import ModelRunner
-
-VERIFY_REQ_PREFIX = "graph-verify-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,36 +107,6 @@ class GraphCheck:
         return cls(label, 0, 0, float("nan"), float("nan"), False, False, reason)
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    query_lens: list[int]
-    contexts: list[int]
-    decode: bool
-
-
-def layout_for(spec: GraphSpec, max_model_len: int, *, from_zero: bool = False) -> Layout | None:
-    """Real rows for ``spec``: one request fewer than a uniform graph holds; one token fewer than a
-    mixed graph holds, spread over up to its request cap with a prompt chunk first. ``from_zero``:
-    odd rows have no context."""
-    d = spec.descriptor
-    if d.uniform_query_len is not None:
-        q = d.uniform_query_len
-        lens = [q] * max(1, d.request_cap - 1)
-        decode = True
-    else:
-        t = max(1, d.num_tokens - 1)
-        r = min(d.request_cap, t)
-        lens = [t // r + (1 if i < t % r else 0) for i in range(r)]
-        decode = False
-    if max(lens) >= max_model_len:
-        return None
-    # Contexts of varied length so rows cross block boundaries at different columns.
-    contexts = [
-        0 if from_zero and i % 2 else min(2 + (5 * i) % 13, max_model_len - n) for i, n in enumerate(lens)
-    ]
-    return Layout(lens, contexts, decode)
-
-
 def vocab_size(model: torch.nn.Module) -> int:
     return next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
 
@@ -167,58 +131,6 @@ def verify_graphs(
         return [_verify_one(capturer, g, kv_cache_manager, tol, rng, vocab) for g in graphs]
 
 
-class PoolTooSmallError(Exception):
-    """The KV pool cannot hold a verification batch (reported as an unverified graph)."""
-
-
-@contextmanager
-def scratch_tables(
-    runner: ModelRunner, manager: KVCacheManager, label: str, num_tokens: list[int]
-) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
-    """Blocks for throw-away requests (empty prompts: nothing enters the prefix cache) holding
-    ``num_tokens[i]`` tokens each; yields host block tables per group ``[R, width]`` and the widest
-    row. On exit the requests are freed tail first (restoring the free-queue order) and their blocks
-    zeroed in every layer."""
-    requests = [Request(f"{VERIFY_REQ_PREFIX}{label}-{i}", []) for i in range(len(num_tokens))]
-    taken: list[Request] = []
-    try:
-        for req, n in zip(requests, num_tokens, strict=True):
-            if manager.allocate_slots(req, n) is None:
-                raise PoolTooSmallError(label)
-            taken.append(req)
-        block_ids = [manager.get_block_ids(req.request_id) for req in requests]
-        width = runner.max_blocks_per_req
-        tables = {}
-        for group in runner.batch.block_tables.group_names:
-            table = torch.zeros(len(requests), width, dtype=torch.int32)
-            for i, ids in enumerate(block_ids):
-                table[i, : len(ids[group])] = torch.tensor(ids[group], dtype=torch.int32)
-            tables[group] = table
-        yield tables, max(len(ids) for b in block_ids for ids in b.values())
-    finally:
-        used = sorted(
-            {b for req in taken for ids in manager.get_block_ids(req.request_id).values() for b in ids if b}
-        )
-        for req in reversed(taken):
-            manager.free(req)
-        runner.kv_caches.zero_blocks(used)
-
-
-@dataclass(frozen=True, slots=True)
-class Passes:
-    """The three passes of one graph's check over a real batch, contexts written and the unpadded
-    pass loaded: ``metas`` is its metadata (Mamba columns included), each pass returns its outputs
-    (main output first; ``reference``: real rows only), ``greedy`` the tokens a main output picks
-    (None: the pass picks none)."""
-
-    num_reqs: int
-    metas: dict[str, AttentionMetadata]
-    reference: Callable[[], list[torch.Tensor]]
-    replay: Callable[[], list[torch.Tensor]]
-    padded_eager: Callable[[], list[torch.Tensor]]
-    greedy: Callable[[torch.Tensor], torch.Tensor | None]
-
-
 def _verify_one(
     capturer: GraphCapturer,
     graph: CapturedGraph,
@@ -227,15 +139,10 @@ def _verify_one(
     rng: np.random.Generator,
     vocab: int,
 ) -> GraphCheck:
-    # Both import this module.
-    from warmcap.graphs.verify_draft import draft_passes
-    from warmcap.graphs.verify_target import target_passes
-
     runner = capturer.runner
     spec = graph.spec
-    groups = (
-        runner.drafter.graph_groups() if spec.is_draft else [g for g in runner.kv_groups if not g.is_drafter]
-    )
+    subject = capturer.subject(spec)
+    groups = subject.groups()
     stateful = any(isinstance(g.spec, MambaSpec) for g in groups)
     layout = layout_for(spec, runner.max_model_len, from_zero=stateful)
     if layout is None:
@@ -243,8 +150,7 @@ def _verify_one(
     sizes = [c + n for c, n in zip(layout.contexts, layout.query_lens, strict=True)]
     try:
         with scratch_tables(runner, manager, spec.label, sizes) as (tables, num_blocks):
-            setup = draft_passes if spec.is_draft else target_passes
-            passes = setup(capturer, graph, layout, tables, num_blocks, rng, vocab)
+            passes = subject.passes(graph, layout, tables, num_blocks, rng, vocab)
             t, caches = sum(layout.query_lens), runner.kv_caches.tensors
             written = [
                 _layer_written(g, passes.metas[g.name], caches[x], t) for g in groups for x in g.layer_names
@@ -314,21 +220,6 @@ def _layer_written(group: KVCacheGroup, meta: AttentionMetadata, cache: torch.Te
 def _restore(written: list[Written], values: list[torch.Tensor]) -> None:
     for w, v in zip(written, values, strict=True):
         w.view[w.index] = v
-
-
-def context_chunks(contexts: list[int], max_tokens: int) -> list[list[int]]:
-    """Rows with a context, grouped so each group's contexts fit one pass of ``max_tokens``."""
-    chunks: list[list[int]] = []
-    total = max_tokens
-    for i, c in enumerate(contexts):
-        if c == 0:
-            continue
-        if total + c > max_tokens:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(i)
-        total += c
-    return chunks
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -15,18 +15,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from warmcap.drafters.base import DRAFT_PREFILL
-from warmcap.drafters.paged import DraftPass
-from warmcap.graphs.verify import Passes, context_chunks
+from warmcap.graphs.static_inputs import DraftInputs
+from warmcap.graphs.verify_batch import Passes, context_chunks
+from warmcap.runner_v2.collaborators import DRAFT_PREFILL, DraftPass
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
-    from warmcap.graphs.capture import CapturedGraph, GraphCapturer
-    from warmcap.graphs.verify import Layout
+    from warmcap.graphs.capture import CapturedGraph
+    from warmcap.graphs.subjects import DrafterSubject
+    from warmcap.graphs.verify_batch import Layout
 
 
 def draft_passes(
-    capturer: GraphCapturer,
+    subject: DrafterSubject,
     graph: CapturedGraph,
     layout: Layout,
     tables: dict[str, torch.Tensor],
@@ -35,11 +36,11 @@ def draft_passes(
     vocab: int,
 ) -> Passes:
     """The passes of one drafter graph's check over ``layout`` on scratch ``tables``."""
-    runner = capturer.runner
-    drafter = runner.drafter
-    statics = capturer.drafts
+    runner = subject.runner
+    drafter = subject.drafter
+    statics = subject.statics
     spec = graph.spec
-    own = {g: tables[g] for g in statics.buffers.block_tables}
+    own = {g: tables[g] for g in statics.group_names}
     device = runner.device
     feature_spec = {p: drafter.feature_spec(p) for p in (DRAFT_PREFILL, spec.phase)}
     contexts, lens = layout.contexts, layout.query_lens
@@ -58,8 +59,8 @@ def draft_passes(
         lengths = np.array([contexts[i] for i in chunk], dtype=np.int64)
         ctx = DraftPass.spans([f"ctx{i}" for i in chunk], idx, np.zeros(len(chunk), dtype=np.int64), lengths)
         sub = {g: t[chunk] for g, t in own.items()}
-        metas = _load(capturer, ctx, sub, num_blocks)
-        _forward(capturer, DRAFT_PREFILL, metas, ctx, *inputs(DRAFT_PREFILL, ctx.num_tokens))
+        metas = _load(subject, ctx, sub, num_blocks)
+        _forward(subject, DRAFT_PREFILL, metas, ctx, *inputs(DRAFT_PREFILL, ctx.num_tokens))
 
     rows = np.arange(len(lens), dtype=np.int64)
     dp = DraftPass.spans(
@@ -67,21 +68,22 @@ def draft_passes(
     )
     t, n = dp.num_tokens, spec.num_tokens
     ids, features = inputs(spec.phase, t)
-    metas = _load(capturer, dp, own, num_blocks)
+    metas = _load(subject, dp, own, num_blocks)
+    real = DraftInputs(dp, ids, features)
 
     def replay() -> list[torch.Tensor]:
-        statics.load(spec, dp, own, ids, features)
+        subject.load_tables(spec, real, own)
         graph.replay_fn()
         return [graph.output[:n]]
 
     def padded_eager() -> list[torch.Tensor]:
-        statics.load(spec, dp, own, ids, features)
-        return [capturer.eager(spec, graph.metas)[:n]]
+        subject.load_tables(spec, real, own)
+        return [subject.forward(spec, graph.metas)[0][:n]]
 
     return Passes(
         dp.num_reqs,
         metas,
-        reference=lambda: [_forward(capturer, spec.phase, metas, dp, ids, features)[:t]],
+        reference=lambda: [_forward(subject, spec.phase, metas, dp, ids, features)[:t]],
         replay=replay,
         padded_eager=padded_eager,
         greedy=lambda output: drafter.greedy_drafts(spec.phase, output),
@@ -89,23 +91,22 @@ def draft_passes(
 
 
 def _load(
-    capturer: GraphCapturer, dp: DraftPass, tables: dict[str, torch.Tensor], num_blocks: int
+    subject: DrafterSubject, dp: DraftPass, tables: dict[str, torch.Tensor], num_blocks: int
 ) -> dict[str, AttentionMetadata]:
-    """Load ``dp`` unpadded into the drafter's static buffers (block tables trimmed to
+    """Load ``dp``'s layout unpadded into the drafter's static buffers (block tables trimmed to
     ``num_blocks`` columns); its metadata, Mamba groups' with their state reads and writes."""
-    b = capturer.drafts.buffers
+    b = subject.buffers
     b.load_layout(
         query_start_loc=dp.query_start_loc, positions=dp.positions, seq_lens=dp.seq_lens, block_tables=tables
     )
     metas = b.attn_metadata(num_columns=num_blocks)
-    runner = capturer.runner
     # The state columns the pass itself would plan (rows matched to the persistent batch), made
     # here so the blocks the reference writes are known before it runs.
-    return runner.drafter.state_metadata(runner, metas)
+    return subject.drafter.state_metadata(subject.runner, metas)
 
 
 def _forward(
-    capturer: GraphCapturer,
+    subject: DrafterSubject,
     phase: str,
     metas: dict[str, AttentionMetadata],
     dp: DraftPass,
@@ -113,6 +114,5 @@ def _forward(
     features: torch.Tensor | None,
 ) -> torch.Tensor:
     """An eager drafter pass over the loaded static buffers with ``metas``."""
-    runner = capturer.runner
-    positions = capturer.drafts.buffers.positions[: dp.num_tokens]
-    return runner.drafter.forward_pass(runner, phase, metas, input_ids, positions, features)
+    positions = subject.buffers.positions[: dp.num_tokens]
+    return subject.drafter.forward_pass(subject.runner, phase, metas, input_ids, positions, features)

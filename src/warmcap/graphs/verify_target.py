@@ -2,7 +2,8 @@
 
 Each row's context is written by eager prefills over its earlier positions; the checked step then
 runs unpadded (the reference, auxiliary hidden states included), replayed, and padded eagerly. What
-the passes are held to lives in :mod:`warmcap.graphs.verify`.
+the passes are held to lives in :mod:`warmcap.graphs.verify`; the batch's vocabulary in
+:mod:`warmcap.graphs.verify_batch`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from warmcap.graphs.verify import VERIFY_REQ_PREFIX, Passes, context_chunks
+from warmcap.graphs.verify_batch import VERIFY_REQ_PREFIX, Passes, context_chunks
 from warmcap.runner_v2.input_batch import StepInputs
 
 if TYPE_CHECKING:
-    from warmcap.graphs.capture import CapturedGraph, GraphCapturer
-    from warmcap.graphs.verify import Layout
+    from warmcap.graphs.capture import CapturedGraph
+    from warmcap.graphs.subjects import TargetSubject
+    from warmcap.graphs.verify_batch import Layout
 
 
 def target_step(
@@ -61,7 +63,7 @@ def target_step(
 
 
 def target_passes(
-    capturer: GraphCapturer,
+    subject: TargetSubject,
     graph: CapturedGraph,
     layout: Layout,
     tables: dict[str, torch.Tensor],
@@ -70,8 +72,8 @@ def target_passes(
     vocab: int,
 ) -> Passes:
     """The passes of one target graph's check over ``layout`` on scratch ``tables``."""
-    runner = capturer.runner
-    buffers = runner.buffers
+    runner = subject.runner
+    buffers = subject.buffers
     spec = graph.spec
     lens, contexts = layout.query_lens, layout.contexts
     tokens = [rng.integers(0, vocab, size=c + n) for c, n in zip(contexts, lens, strict=True)]
@@ -101,13 +103,13 @@ def target_passes(
         return [hidden[:t], *(a[:t] for a in runner.last_aux_hidden_states)]
 
     def replay() -> list[torch.Tensor]:
-        capturer.load(spec, step)
+        subject.load(spec, step)
         graph.replay_fn()
         return [graph.output[:n], *(a[:n] for a in graph.aux)]
 
     def padded_eager() -> list[torch.Tensor]:
-        capturer.load(spec, step)
-        hidden, aux = capturer.forward(spec, graph.metas)
+        subject.load(spec, step)
+        hidden, aux = subject.forward(spec, graph.metas)
         return [hidden[:n], *(a[:n] for a in aux)]
 
     def greedy(hidden: torch.Tensor) -> torch.Tensor:

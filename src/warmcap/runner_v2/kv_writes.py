@@ -5,6 +5,7 @@ Recording copies each slot mapping to the host, so it is off while serving; warm
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +38,37 @@ class KVWriteLog:
 
     records: list[KVWriteRecord] = field(default_factory=list)
 
+    #: whether passes are being recorded (the runner's ``recording_kv_writes`` turns it on)
+    recording: bool = False
+
     def add(self, record: KVWriteRecord) -> None:
         self.records.append(record)
+
+    def add_pass(
+        self,
+        phase: str,
+        *,
+        step: int,
+        req_ids: Sequence[str],
+        query_start_loc: Sequence[int],
+        block_ids: Mapping[str, Mapping[str, list[int]]],
+        writes: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Record one pass: per group, ``writes[group]`` is its host ``(positions, slot_mapping)``
+        over the whole (padded) pass and ``block_ids[group]`` the blocks each request held."""
+        for group, (positions, slots) in writes.items():
+            self.records.append(
+                KVWriteRecord(
+                    phase=phase,
+                    group=group,
+                    req_ids=list(req_ids),
+                    query_start_loc=list(query_start_loc),
+                    positions=positions,
+                    slot_mapping=slots,
+                    step=step,
+                    block_ids=dict(block_ids[group]),
+                )
+            )
 
     def clear(self) -> None:
         self.records.clear()

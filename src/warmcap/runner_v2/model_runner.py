@@ -7,8 +7,9 @@ buffers (slot mappings computed on the device) -> forward -> logits only where a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,9 +22,11 @@ from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.reservation import max_blocks_per_request
 from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry
+from warmcap.runner_v2.collaborators import Drafter, DraftPass, GraphDispatcher
+from warmcap.runner_v2.draft_buffers import DraftBuffers, draft_writes
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
-from warmcap.runner_v2.kv_writes import KVWriteLog, KVWriteRecord
+from warmcap.runner_v2.kv_writes import KVWriteLog
 from warmcap.runner_v2.mamba_state import MambaStates
 from warmcap.runner_v2.rejection import greedy_verify, probabilistic_verify
 from warmcap.runner_v2.sampler import Sampler, SamplingMetadata
@@ -42,12 +45,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 LogitsHook = Callable[[list[str], np.ndarray, torch.Tensor], None]
 
 
-class Drafter(Protocol):
-    def propose(
-        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: list[list[int]]
-    ) -> dict[str, list[int]]: ...
-
-
 class ModelRunner:
     """Owns the persistent batch, block tables, KV caches and static step buffers of one model.
 
@@ -55,9 +52,12 @@ class ModelRunner:
     - ``batch`` (:class:`InputBatch`), ``buffers`` (:class:`StepBuffers`), ``kv_caches`` (:class:`KVCaches`)
     - ``last_step`` (:class:`StepInputs`), ``last_hidden_states`` ``[T, H]`` and ``last_positions``
       ``[T]`` of the latest forward, for drafters
-    - ``drafter``: called after sampling, returns next-step proposals; it may leave their
-      probabilities in ``draft_probs`` for probabilistic verification
-    - ``record_kv_writes`` / ``kv_write_log``: every slot mapping of every pass, for the audit
+    - ``drafter`` (a constructor argument): called after sampling, returns next-step proposals; it
+      may leave their probabilities in ``draft_probs`` for probabilistic verification. Its passes
+      run through :meth:`run_draft_pass` over ``draft_buffers``, which the runner owns.
+    - ``graphs``: the graph dispatcher, set once by :meth:`attach_graphs`
+    - ``kv_write_log``: every slot mapping of every pass (target and drafter, eager or replayed)
+      while :meth:`recording_kv_writes` is on, for the audit
     - ``backends``: the backend of each KV kind (``attn_backend`` serves full and sliding layers);
       model layers get theirs through the forward context
     - ``state_handlers``: per-step state of some KV groups (Mamba), called at fixed points of a step
@@ -73,6 +73,7 @@ class ModelRunner:
         *,
         device: torch.device | str,
         attn_backend: AttentionBackend,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -113,8 +114,20 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
-        self.drafter: Drafter | None = None
-        self.record_kv_writes = False
+        self.drafter = drafter
+        # Drafter passes may cover a step's tokens plus one sampled token per request.
+        self.draft_buffers = (
+            DraftBuffers(
+                drafter,
+                max_num_tokens=self.max_num_tokens + self.max_num_reqs,
+                max_num_reqs=self.max_num_reqs,
+                max_blocks_per_req=self.max_blocks_per_req,
+                device=self.device,
+            )
+            if drafter is not None and drafter.graph_groups()
+            else None
+        )
+        self.graphs: GraphDispatcher | None = None
         self.kv_write_log = KVWriteLog()
         self.logits_hook: LogitsHook | None = None
         # req_id -> [k, V] probabilities of the drafts a drafter just proposed (consumed by the next
@@ -128,10 +141,38 @@ class ModelRunner:
         # the engine's non-finite check.
         self.last_logits: torch.Tensor | None = None
         # Target layers whose input hidden states drafters read (EAGLE-3, DFlash); filled per forward.
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_state_layers: tuple[int, ...] = drafter.aux_layers if drafter is not None else ()
         self.last_aux_hidden_states: list[torch.Tensor] = []
-        # Captured graphs (``warmcap.graphs.graph_runner.GraphRunner``), installed by graph start-up.
-        self.graph_runner: Any = None
+
+    # ---- collaborators -----------------------------------------------------------------------------
+
+    def attach_graphs(self, graphs: GraphDispatcher | None) -> None:
+        """Serve through ``graphs`` from now on (None: run every pass eagerly again)."""
+        self.graphs = graphs
+
+    @contextmanager
+    def recording_kv_writes(self, on: bool = True) -> Iterator[KVWriteLog]:
+        """Record every pass's KV writes in ``kv_write_log`` while inside (``on=False``: don't);
+        the previous setting is restored on exit."""
+        before = self.kv_write_log.recording
+        self.kv_write_log.recording = on
+        try:
+            yield self.kv_write_log
+        finally:
+            self.kv_write_log.recording = before
+
+    @contextmanager
+    def substituted(
+        self, *, buffers: StepBuffers, kv_caches: KVCaches, draft_buffers: DraftBuffers | None
+    ) -> Iterator[None]:
+        """Run with other static buffers and KV caches (graph safety's fake tensors); the real ones
+        and the latest auxiliary hidden states are back on exit."""
+        saved = (self.buffers, self.kv_caches, self.draft_buffers, self.last_aux_hidden_states)
+        self.buffers, self.kv_caches, self.draft_buffers = buffers, kv_caches, draft_buffers
+        try:
+            yield
+        finally:
+            self.buffers, self.kv_caches, self.draft_buffers, self.last_aux_hidden_states = saved
 
     @property
     def mamba_states(self) -> MambaStates | None:
@@ -154,14 +195,18 @@ class ModelRunner:
         num_drafts = [len(d) for d in step.draft_token_ids]
         for handler in self.state_handlers:
             handler.begin_step(step.req_ids, step.block_tables, num_drafts)
-        # A captured graph that fits replays the step (and logs it); otherwise it runs eagerly.
-        hidden = self.graph_runner.forward(step) if self.graph_runner is not None else None
-        if hidden is None:
+        # A captured graph that fits replays the step; otherwise it runs eagerly.
+        replay = self.graphs.replay_step(step) if self.graphs is not None else None
+        if replay is None:
             self.buffers.copy_from(step)
             metas = self.buffers.attn_metadata(num_columns=step.max_num_blocks)
-            if self.record_kv_writes:
+            if self.kv_write_log.recording:
                 self.record_pass("target", step.req_ids, metas)
             hidden = self.forward_batch(step.num_tokens, metas)
+        else:
+            if self.kv_write_log.recording:
+                self.record_pass("target", step.req_ids, replay.metas)
+            hidden, self.last_aux_hidden_states = replay.output, replay.aux
         self.last_step = step
         self.last_hidden_states = hidden
         self.last_positions = self.buffers.positions[: step.num_tokens]
@@ -209,12 +254,11 @@ class ModelRunner:
         return metas
 
     def record_pass(self, phase: str, req_ids: list[str], metas: dict[str, AttentionMetadata]) -> None:
-        """Append the slot mappings of a pass over the loaded buffers to ``kv_write_log``."""
+        """Append the slot mappings of a target pass over the loaded buffers to ``kv_write_log``."""
         r = len(req_ids)
-        qsl = self.buffers.query_start_loc_cpu[: r + 1].tolist()
         rows = [self.batch.row_of[req_id] for req_id in req_ids]
+        writes = {}
         for group, meta in metas.items():
-            table = self.batch.block_tables[group]
             handler = next((h for h in self.state_handlers if h.handles(group)), None)
             if handler is not None:
                 # Stateful layers (Mamba) write whole states into columns, not tokens into slots.
@@ -222,18 +266,63 @@ class ModelRunner:
             else:
                 positions = self.buffers.positions[: meta.num_tokens].cpu().clone()
                 slots = meta.slot_mapping.cpu().clone()
-            self.kv_write_log.add(
-                KVWriteRecord(
-                    phase=phase,
-                    group=group,
-                    req_ids=list(req_ids),
-                    query_start_loc=qsl,
-                    positions=positions,
-                    slot_mapping=slots,
-                    step=self.num_steps,
-                    block_ids={req_id: table.row(row) for req_id, row in zip(req_ids, rows, strict=True)},
-                )
-            )
+            writes[group] = (positions, slots)
+        self._log_pass(phase, req_ids, rows, self.buffers.query_start_loc_cpu[: r + 1].tolist(), writes)
+
+    def _log_pass(
+        self,
+        phase: str,
+        req_ids: Sequence[str],
+        rows: Sequence[int],
+        query_start_loc: list[int],
+        writes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        tables = self.batch.block_tables
+        block_ids = {
+            g: {req_id: tables[g].row(int(row)) for req_id, row in zip(req_ids, rows, strict=True)}
+            for g in writes
+        }
+        self.kv_write_log.add_pass(
+            phase,
+            step=self.num_steps,
+            req_ids=req_ids,
+            query_start_loc=query_start_loc,
+            block_ids=block_ids,
+            writes=writes,
+        )
+
+    # ---- drafter passes ------------------------------------------------------------------------------
+
+    def run_draft_pass(
+        self,
+        dp: DraftPass,
+        *,
+        phase: str,
+        log_phase: str,
+        input_ids: torch.Tensor,
+        features: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One drafter pass (``phase`` ``draft_prefill`` or ``draft_decode``) over ``dp``: replayed
+        from a captured drafter graph when one fits, else run eagerly over ``draft_buffers``. Either
+        way its KV writes are logged under ``log_phase`` while recording. Returns ``[T, H]``."""
+        drafter, statics = self.drafter, self.draft_buffers
+        if drafter is None or statics is None:
+            raise RuntimeError("run_draft_pass needs a runner built with a model-backed drafter")
+        replay = self.graphs.replay_draft(phase, dp, input_ids, features) if self.graphs is not None else None
+        if replay is None:
+            tables = {g: self.batch.block_tables[g].gather(dp.rows) for g in statics.group_names}
+            statics.load(phase, dp, tables, input_ids, features)
+            metas = drafter.state_metadata(self, statics.buffers.attn_metadata())
+            ids, positions, static_features = statics.inputs(phase, dp.num_tokens)
+            # A phase without a feature buffer takes its features as given.
+            feats = static_features if static_features is not None else features
+            output = drafter.forward_pass(self, phase, metas, ids, positions, feats)
+        else:
+            metas, output = replay.metas, replay.output
+        if self.kv_write_log.recording:
+            writes = draft_writes(drafter.graph_groups(), metas, statics.buffers, self.batch)
+            self._log_pass(log_phase, dp.req_ids, dp.rows.tolist(), dp.query_start_loc.tolist(), writes)
+        return output
 
     # ---- sampling --------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The engine start-up hook: plan -> execute with audit -> scrub, with timings kept on the engine."""
+"""The warmup start-up hook: plan -> execute with audit -> scrub; returns what it did."""
 
 from __future__ import annotations
 
@@ -10,27 +10,27 @@ from warmcap.warmup.planner import plan_warmup
 from warmcap.warmup.run import WarmupResult, run_warmup
 
 if TYPE_CHECKING:
-    from warmcap.engine import LLMEngine
+    from warmcap.startup_hooks import StartupContext
 
 
 class AuditViolationError(WarmcapError):
     """Warmup wrote KV outside the blocks a request holds (invariant I2)."""
 
 
-def warmup_hook(engine: LLMEngine, *, audit: bool | None = None, strict: bool = False) -> WarmupResult:
-    """Plan warmup through the engine's own groups and pool size, run it audited, scrub.
+def warmup_hook(ctx: StartupContext, *, audit: bool | None = None, strict: bool = False) -> WarmupResult:
+    """Plan warmup through the engine's own groups and pool size, run it audited, scrub; the
+    engine keeps the result as ``startup_results["warmup"]``.
 
     The audit copies slot mappings to the host, so on CUDA it is opt-in (``audit=True``); on CPU it
     is on by default. ``strict`` turns any violation into :class:`AuditViolationError`.
     """
     if audit is None:
-        audit = engine.device.type != "cuda"
+        audit = ctx.device.type != "cuda"
     t0 = time.perf_counter()
-    plan = plan_warmup(engine.config, engine.kv_groups, engine.num_blocks)
+    plan = plan_warmup(ctx.config, ctx.kv_groups, ctx.num_blocks)
     planned = time.perf_counter() - t0
-    result = run_warmup(engine.runner, engine.kv_cache_manager, plan, audit=audit)
+    result = run_warmup(ctx.runner, ctx.kv_cache_manager, plan, audit=audit)
     result.seconds["plan"] = planned
-    engine.warmup_result = result
     if strict and not result.audit.ok:
         first = "; ".join(str(v) for v in result.audit.violations[:3])
         raise AuditViolationError(

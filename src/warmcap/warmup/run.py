@@ -90,19 +90,17 @@ def run_warmup(
     result = WarmupResult(plan=plan, audit=AuditResult(), used_blocks=used_block_ids(plan))
 
     t0 = time.perf_counter()
-    previous_recording = runner.record_kv_writes
-    runner.record_kv_writes = audit
     try:
-        for step in plan.steps:
-            runner.kv_write_log.clear()
-            runner.execute_model(step.scheduler_output)
-            result.num_passes += len(runner.kv_write_log)
-            if audit:
-                held = {r.req_id: r.blocks for r in step.requests}
-                result.audit.merge(audit_records(step.name, runner.kv_write_log.records, held, block_sizes))
+        with runner.recording_kv_writes(audit) as log:
+            for step in plan.steps:
+                log.clear()
+                runner.execute_model(step.scheduler_output)
+                result.num_passes += len(log)
+                if audit:
+                    held = {r.req_id: r.blocks for r in step.requests}
+                    result.audit.merge(audit_records(step.name, log.records, held, block_sizes))
     finally:
         runner.kv_write_log.clear()
-        runner.record_kv_writes = previous_recording
         runner.execute_model(SchedulerOutput(finished_req_ids=set(plan.req_ids)))
     result.seconds["execute"] = time.perf_counter() - t0
 
@@ -118,15 +116,10 @@ def run_warmup(
 
 
 def scrub(runner: ModelRunner, used_blocks: list[int]) -> None:
-    """Zero the KV (and state) of ``used_blocks`` and the PAD sink in every layer and drafter."""
+    """Zero the KV (and state) of ``used_blocks`` and the PAD sink in every layer, the drafter's
+    groups included (they live in the runner's caches)."""
     sink = runner.kv_caches.num_blocks
     runner.kv_caches.zero_blocks([*used_blocks, sink])
-    drafter_caches = getattr(runner.drafter, "kv_caches", None)
-    if drafter_caches is not None and drafter_caches is not runner.kv_caches:
-        drafter_caches.zero_blocks([*used_blocks, drafter_caches.num_blocks])
-    reset = getattr(runner.drafter, "reset_state", None)
-    if callable(reset):
-        reset()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 

@@ -1,0 +1,246 @@
+"""What a graph records: one *subject* per kind of pass, behind one interface.
+
+The target subject runs the runner's model over the runner's :class:`StepBuffers`; the drafter
+subject runs the runner's drafter over the runner's drafter buffers
+(:class:`~warmcap.runner_v2.draft_buffers.DraftBuffers`). Capture, replay, verification and the
+CUDA-safety check go through :class:`GraphSubject` only, so ``graphs/`` never asks which kind a
+graph is: a :class:`~warmcap.graphs.planning.GraphSpec` names its subject, and the subject knows
+how to load its inputs, build and refresh its metadata, run its forward, and set up the passes of
+its verification.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from warmcap.graphs.descriptors import BatchShape
+from warmcap.graphs.planning import DRAFTER, TARGET
+from warmcap.graphs.static_inputs import DraftInputs, empty_step, load_padded, spread_uniform_padding
+from warmcap.graphs.verify_draft import draft_passes
+from warmcap.graphs.verify_target import target_passes
+from warmcap.runner_v2.collaborators import DRAFT_DECODE
+
+if TYPE_CHECKING:
+    from warmcap.contracts import AttentionMetadata
+    from warmcap.core.kv_spec import KVCacheGroup
+    from warmcap.graphs.capture import CapturedGraph
+    from warmcap.graphs.planning import GraphSpec
+    from warmcap.graphs.verify_batch import Layout, Passes
+    from warmcap.runner_v2.collaborators import Drafter, DraftPass
+    from warmcap.runner_v2.draft_buffers import DraftBuffers
+    from warmcap.runner_v2.input_batch import StepInputs
+    from warmcap.runner_v2.model_runner import ModelRunner
+    from warmcap.runner_v2.step_buffers import StepBuffers
+
+#: ``(output, aux outputs)`` of one pass
+Outputs = tuple[torch.Tensor, list[torch.Tensor]]
+
+InputsT = TypeVar("InputsT")
+
+
+class GraphSubject(ABC, Generic[InputsT]):
+    """One kind of pass a graph records (``name``: the subject a ``GraphSpec`` names)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    @abstractmethod
+    def buffers(self) -> StepBuffers:
+        """The layout buffers the subject's graphs record over."""
+
+    @abstractmethod
+    def groups(self) -> list[KVCacheGroup]:
+        """The KV groups the subject's passes write."""
+
+    @abstractmethod
+    def load(self, spec: GraphSpec, inputs: InputsT | None = None) -> None:
+        """Load ``inputs`` (None: all padding) padded into ``spec``'s shape."""
+
+    @abstractmethod
+    def refresh(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> dict[str, AttentionMetadata]:
+        """State columns of the pass loaded for ``spec``, written into ``metas``' static entries in
+        place (plain entries become static ones: keep the returned dict)."""
+
+    @abstractmethod
+    def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
+        """Output and auxiliary outputs of one eager pass over the loaded static buffers."""
+
+    @abstractmethod
+    def shape(self, phase: str, inputs: InputsT) -> BatchShape:
+        """The dispatch shape of a real pass of ``phase``."""
+
+    @abstractmethod
+    def dispatch_key(self, phase: str) -> str:
+        """Graphs with the same key share one dispatcher (the phases one call may pick from)."""
+
+    @abstractmethod
+    def modules(self) -> list[nn.Module]:
+        """Every module the subject's forward may run."""
+
+    @abstractmethod
+    def passes(
+        self,
+        graph: CapturedGraph,
+        layout: Layout,
+        tables: dict[str, torch.Tensor],
+        num_blocks: int,
+        rng: np.random.Generator,
+        vocab: int,
+    ) -> Passes:
+        """The three passes of ``graph``'s verification over ``layout`` on scratch ``tables``."""
+
+
+class TargetSubject(GraphSubject["StepInputs"]):
+    """The runner's model over the runner's step buffers; outputs hidden states and the
+    auxiliary hidden states the drafter reads."""
+
+    name = TARGET
+
+    @property
+    def buffers(self) -> StepBuffers:
+        return self.runner.buffers
+
+    def groups(self) -> list[KVCacheGroup]:
+        return [g for g in self.runner.kv_groups if not g.is_drafter]
+
+    def load(self, spec: GraphSpec, inputs: StepInputs | None = None) -> None:
+        buffers = self.buffers
+        load_padded(buffers, inputs if inputs is not None else empty_step(buffers), spec)
+
+    def refresh(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> dict[str, AttentionMetadata]:
+        return self.runner.state_metadata(metas, static=True)
+
+    def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
+        hidden = self.runner.forward_batch(spec.num_tokens, metas)
+        return hidden, list(self.runner.last_aux_hidden_states)
+
+    def shape(self, phase: str, inputs: StepInputs) -> BatchShape:
+        return step_shape(inputs)
+
+    def dispatch_key(self, phase: str) -> str:
+        # Any target graph may serve a step: decode and mixed graphs compete in one dispatcher.
+        return TARGET
+
+    def modules(self) -> list[nn.Module]:
+        return [self.runner.model]
+
+    def passes(
+        self,
+        graph: CapturedGraph,
+        layout: Layout,
+        tables: dict[str, torch.Tensor],
+        num_blocks: int,
+        rng: np.random.Generator,
+        vocab: int,
+    ) -> Passes:
+        return target_passes(self, graph, layout, tables, num_blocks, rng, vocab)
+
+
+class DrafterSubject(GraphSubject[DraftInputs]):
+    """The runner's drafter over the runner's drafter buffers."""
+
+    name = DRAFTER
+
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__(runner)
+        if runner.drafter is None or runner.draft_buffers is None:
+            raise ValueError("a drafter subject needs a runner built with a model-backed drafter")
+        self.drafter: Drafter = runner.drafter
+
+    @property
+    def statics(self) -> DraftBuffers:
+        statics = self.runner.draft_buffers
+        assert statics is not None  # checked in __init__; substitutes keep it set
+        return statics
+
+    @property
+    def buffers(self) -> StepBuffers:
+        return self.statics.buffers
+
+    def groups(self) -> list[KVCacheGroup]:
+        return self.drafter.graph_groups()
+
+    def load(self, spec: GraphSpec, inputs: DraftInputs | None = None) -> None:
+        statics = self.statics
+        if inputs is None:
+            statics.load(spec.phase, None, {}, num_tokens_padded=spec.num_tokens, num_reqs_padded=spec.rows)
+            spread_uniform_padding(statics.buffers, spec)
+            return
+        tables = {g: self.runner.batch.block_tables[g].gather(inputs.dp.rows) for g in statics.group_names}
+        self.load_tables(spec, inputs, tables)
+
+    def load_tables(self, spec: GraphSpec, inputs: DraftInputs, tables: dict[str, torch.Tensor]) -> None:
+        """Load ``inputs`` padded into ``spec``'s shape with the given host block tables (rows of
+        no running request: verification's scratch blocks)."""
+        self.statics.load(
+            spec.phase,
+            inputs.dp,
+            tables,
+            inputs.input_ids,
+            inputs.features,
+            num_tokens_padded=spec.num_tokens,
+            num_reqs_padded=spec.rows,
+        )
+        spread_uniform_padding(self.statics.buffers, spec)
+
+    def refresh(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> dict[str, AttentionMetadata]:
+        return self.drafter.state_metadata(self.runner, metas, static=True)
+
+    def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
+        ids, positions, features = self.statics.inputs(spec.phase, spec.num_tokens)
+        return self.drafter.forward_pass(self.runner, spec.phase, metas, ids, positions, features), []
+
+    def shape(self, phase: str, inputs: DraftInputs) -> BatchShape:
+        return pass_shape(phase, inputs.dp)
+
+    def dispatch_key(self, phase: str) -> str:
+        # A drafter pass runs one phase: only that phase's graphs may serve it.
+        return phase
+
+    def modules(self) -> list[nn.Module]:
+        # The drafter's modules are its module attributes (a head, a draft LM).
+        return [v for v in vars(self.drafter).values() if isinstance(v, nn.Module)]
+
+    def passes(
+        self,
+        graph: CapturedGraph,
+        layout: Layout,
+        tables: dict[str, torch.Tensor],
+        num_blocks: int,
+        rng: np.random.Generator,
+        vocab: int,
+    ) -> Passes:
+        return draft_passes(self, graph, layout, tables, num_blocks, rng, vocab)
+
+
+def make_subjects(runner: ModelRunner) -> dict[str, GraphSubject[Any]]:
+    """The runner's subjects by name: the target always, the drafter when it has a model."""
+    subjects: dict[str, GraphSubject[Any]] = {TARGET: TargetSubject(runner)}
+    if runner.drafter is not None and runner.draft_buffers is not None:
+        subjects[DRAFTER] = DrafterSubject(runner)
+    return subjects
+
+
+def step_shape(step: StepInputs) -> BatchShape:
+    """The dispatch shape of a step. A request is decoding when every token it runs samples (the
+    sampled token plus its drafts); a prompt chunk samples at most its last token."""
+    all_decode = bool(np.array_equal(step.num_logits, step.num_scheduled))
+    lens = step.num_scheduled
+    uniform = int(lens[0]) if len(lens) and bool((lens == lens[0]).all()) else None
+    return BatchShape(step.num_tokens, step.num_reqs, step.max_query_len, all_decode, uniform)
+
+
+def pass_shape(phase: str, dp: DraftPass) -> BatchShape:
+    """The dispatch shape of a drafter pass: a ``draft_decode`` pass may use uniform graphs, a
+    ``draft_prefill`` (ragged spans) only mixed ones."""
+    lens = dp.query_lens
+    uniform = int(lens[0]) if len(lens) and bool((lens == lens[0]).all()) else None
+    return BatchShape(dp.num_tokens, dp.num_reqs, int(lens.max(initial=0)), phase == DRAFT_DECODE, uniform)

@@ -1,0 +1,172 @@
+"""What the runner needs from its collaborators: the drafter and the graph dispatcher.
+
+Both are handed to :class:`~warmcap.runner_v2.model_runner.ModelRunner` (the drafter as a
+constructor argument, the dispatcher once through ``attach_graphs``); nothing outside
+``runner_v2`` assigns runner attributes. The protocols live here, next to the runner, so the
+runner imports neither ``warmcap.drafters`` nor ``warmcap.graphs``: drafters
+(:class:`warmcap.drafters.base.BaseDrafter`) and graphs (``warmcap.graphs.graph_runner``)
+implement them.
+
+Also here: the vocabulary both sides share, the drafter pass phases and :class:`DraftPass`, one
+drafter forward over ragged per-request position spans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from warmcap.contracts import AttentionMetadata
+    from warmcap.core.kv_spec import KVCacheGroup
+    from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.input_batch import StepInputs
+    from warmcap.runner_v2.model_runner import ModelRunner
+
+DRAFT_PREFILL = "draft_prefill"
+DRAFT_DECODE = "draft_decode"
+
+
+@dataclass(frozen=True, slots=True)
+class DraftGraphShape:
+    """One forward a drafter runs per engine step, for the graphs helper to capture.
+
+    ``query_len`` is the tokens per request (uniform across the batch); ``None`` means ragged (a
+    draft prefill over each request's new tokens). ``repeats`` is how many times the shape runs per
+    engine step (k - 1 autoregressive draft decodes, for instance).
+    """
+
+    phase: str  # "draft_prefill" or "draft_decode"
+    query_len: int | None
+    repeats: int = 1
+
+
+@dataclass(slots=True)
+class DraftPass:
+    """One drafter forward over ragged per-request position spans."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # int64 [R] persistent-batch rows
+    query_start_loc: np.ndarray  # int32 [R + 1]
+    positions: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int32 [R]: last position written + 1
+
+    @classmethod
+    def spans(
+        cls, req_ids: Sequence[str], rows: np.ndarray, first: np.ndarray, lengths: np.ndarray
+    ) -> DraftPass:
+        """Request ``i`` queries positions ``first[i] .. first[i] + lengths[i] - 1``; requests with
+        no positions are dropped."""
+        keep = np.flatnonzero(lengths > 0)
+        lengths = lengths[keep].astype(np.int64)
+        first = first[keep].astype(np.int64)
+        qsl = np.zeros(len(keep) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=qsl[1:])
+        total = int(qsl[-1])
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64), lengths)
+        positions = np.repeat(first, lengths) + offsets
+        return cls(
+            req_ids=[req_ids[i] for i in keep.tolist()],
+            rows=rows[keep],
+            query_start_loc=qsl,
+            positions=positions,
+            seq_lens=(first + lengths).astype(np.int32),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return (self.query_start_loc[1:] - self.query_start_loc[:-1]).astype(np.int64)
+
+    def last_token_index(self) -> np.ndarray:
+        """Index, within the pass, of each request's last query token."""
+        return self.query_start_loc[1:].astype(np.int64) - 1
+
+
+class Drafter(Protocol):
+    """A speculative-decoding proposer, as the runner and graph capture use it.
+
+    ``propose`` runs after each target step; drafters with a model also describe their passes
+    (``graph_shapes``, ``graph_groups``, ``feature_spec``) and run one over given inputs
+    (``forward_pass``), which the runner calls through its drafter buffers and graph capture records.
+    """
+
+    #: target layers whose input hidden states the drafter reads (``ForwardContext`` aux layers)
+    aux_layers: tuple[int, ...]
+
+    def propose(
+        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
+    ) -> dict[str, list[int]]:
+        """Draft tokens for the next step, per request that sampled this step."""
+        ...
+
+    def graph_shapes(self) -> list[DraftGraphShape]:
+        """The forwards to capture as drafter graphs (none for drafters without a model)."""
+        ...
+
+    def graph_groups(self) -> list[KVCacheGroup]:
+        """The drafter KV groups its passes attend over and write."""
+        ...
+
+    def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
+        """Width and dtype of the hidden-state input of ``phase`` passes (None: ids only)."""
+        ...
+
+    def forward_pass(
+        self,
+        runner: ModelRunner,
+        phase: str,
+        metas: dict[str, AttentionMetadata],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One ``phase`` pass over the given inputs and metadata, eagerly; returns ``[T, H]``."""
+        ...
+
+    def state_metadata(
+        self, runner: ModelRunner, metas: dict[str, AttentionMetadata], *, static: bool = False
+    ) -> dict[str, AttentionMetadata]:
+        """``metas`` with the per-pass state columns of the drafter's own groups."""
+        ...
+
+    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor | None:
+        """The draft token each output row of a ``phase`` pass would propose (None: none)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GraphReplay:
+    """What a replayed graph produced: its output rows of the real tokens, auxiliary outputs, and
+    the (padded) metadata it ran over, which the runner's KV-write log records."""
+
+    output: torch.Tensor
+    aux: list[torch.Tensor]
+    metas: dict[str, AttentionMetadata]
+
+
+class GraphDispatcher(Protocol):
+    """Captured graphs, as the runner uses them: each call loads the pass padded into its static
+    buffers and replays the graph that fits, or returns None (the runner then runs it eagerly)."""
+
+    def replay_step(self, step: StepInputs) -> GraphReplay | None:
+        """A target step from a graph, or None."""
+        ...
+
+    def replay_draft(
+        self, phase: str, dp: DraftPass, input_ids: torch.Tensor, features: torch.Tensor | None
+    ) -> GraphReplay | None:
+        """A drafter pass of ``phase`` from a graph, or None."""
+        ...
