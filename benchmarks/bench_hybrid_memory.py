@@ -55,7 +55,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for mode in ("none", "all", "align"):
         reserved, held, mamba = measure(mode, args.tokens)
-        print(f"| {mode} | {reserved / 1024:.1f} KiB | {held / 1024:.1f} KiB | {reserved / held:.2f}x | {mamba} |")
+        print(
+            f"| {mode} | {reserved / 1024:.1f} KiB | {held / 1024:.1f} KiB | {reserved / held:.2f}x | {mamba} |"
+        )
 
 
 if __name__ == "__main__":

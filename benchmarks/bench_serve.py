@@ -129,8 +129,8 @@ def main() -> None:
     import uvicorn
     from openai import OpenAI
 
-    from warmcap.engine import build_config
     from warmcap.graphs.sizes import parse_capture_sizes
+    from warmcap.llm import build_config
     from warmcap.sampling_params import SamplingParams
     from warmcap.serve import ServeOptions, build_app
     from warmcap.serve.startup_facts import start_engine

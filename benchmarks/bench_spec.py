@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    from warmcap.engine import LLM
+    from warmcap.llm import LLM
     from warmcap.metrics import SpecDecodeMetrics, format_spec_stats
     from warmcap.sampling_params import SamplingParams
 

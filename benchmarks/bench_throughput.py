@@ -33,7 +33,7 @@ Runner = Callable[[], list[list[int]]]
 def warmcap_runner(
     path: Path, ids: list[list[int]], max_tokens: int, *, batch_invariant: bool = False
 ) -> Runner:
-    from warmcap.engine import LLM
+    from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
 
     longest = max(len(p) for p in ids) + max_tokens

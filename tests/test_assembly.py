@@ -16,9 +16,10 @@ import warmcap.engine as engine_module
 from warmcap.assembly import assemble, assemble_for_plan, drafter_modules, weight_bytes
 from warmcap.cli import app
 from warmcap.drafters import build_drafter
-from warmcap.engine import LLMEngine, build_config
+from warmcap.engine import LLMEngine
 from warmcap.errors import ConfigError
 from warmcap.kv_layout import meta_model
+from warmcap.llm import build_config
 from warmcap.models.loader import load_hf_config, load_model
 from warmcap.models.presets import resolve_model
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from warmcap.engine import LLM, LLMEngine, RequestOutput
+from warmcap.engine import LLMEngine, RequestOutput
 from warmcap.errors import ConfigError
+from warmcap.llm import LLM
 from warmcap.models.presets import resolve_model
 from warmcap.sampling_params import SamplingParams
 

@@ -14,8 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 from warmcap.cli import app
-from warmcap.engine import LLM, build_config
 from warmcap.errors import ConfigError
+from warmcap.llm import LLM, build_config
 from warmcap.models.presets import resolve_model
 from warmcap.sampling_params import SamplingParams
 

@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 
 from warmcap.cli import app
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from warmcap.engine import LLM, LLMEngine
+from warmcap.engine import LLMEngine
 from warmcap.errors import ConfigError, NonFiniteLogitsError
+from warmcap.llm import LLM
 from warmcap.models.presets import resolve_model
 from warmcap.sampling_params import SamplingParams
 

@@ -1,8 +1,26 @@
 """warmcap: trustworthy LLM start-up — warmup planned through the scheduler's reservation rule,
-audited KV writes, verified CUDA graphs and exact speculative decoding."""
+audited KV writes, verified CUDA graphs and exact speculative decoding.
+
+``from warmcap import LLM, SamplingParams`` works as with vLLM; both load lazily, so importing a
+submodule (the planner, the audit) never pulls in torch models or the engine.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from warmcap.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from warmcap.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'warmcap' has no attribute {name!r}")

@@ -411,19 +411,6 @@ def _eos_id(tokenizer: Any, hf_config: Any) -> int | None:
     return eos
 
 
-# ``LLM`` and its keyword arguments live in ``warmcap.llm``; importing them from here still works.
-_LLM_NAMES = ("LLM", "LLM_KWARGS", "auto_dtype", "build_config")
-
-
-def __getattr__(name: str) -> Any:
-    # NOTE: lazy, since warmcap.llm imports this module.
-    if name in _LLM_NAMES:
-        from warmcap import llm
-
-        return getattr(llm, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "DEFAULT_STARTUP_HOOKS",
     "CompletionOutput",

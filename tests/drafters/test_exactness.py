@@ -69,7 +69,7 @@ def test_prefix_cache_hits_keep_speculation_exact(spec: str) -> None:
 @pytest.mark.parametrize("spec", ["ngram:3", "eagle:2", "draft_model:2@self"])
 def test_seeded_sampling_with_drafts_is_reproducible(spec: str) -> None:
     """Random requests verify drafts by speculative sampling; a seeded request repeats exactly."""
-    from warmcap.engine import LLM
+    from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
 
     ps = prompts(TINY_VOCAB, (12, 20), seed=4, repetitive=True)

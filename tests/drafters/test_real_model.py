@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from warmcap.engine import LLM
+from warmcap.llm import LLM
 from warmcap.sampling_params import SamplingParams
 
 PROMPTS = [

@@ -14,8 +14,8 @@ import openai
 import pytest
 from serve_fixtures import gated, metric, running
 
-from warmcap.engine import LLM, build_config
 from warmcap.graphs.report import CaptureReport
+from warmcap.llm import LLM, build_config
 from warmcap.sampling_params import SamplingParams
 from warmcap.serve import ServeOptions, build_app
 from warmcap.serve.startup_facts import start_engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from serve_fixtures import running
 
-from warmcap.engine import LLM, build_config
+from warmcap.llm import LLM, build_config
 from warmcap.sampling_params import SamplingParams
 from warmcap.serve import ServeOptions, build_app
 from warmcap.serve.chat import chat_token_ids

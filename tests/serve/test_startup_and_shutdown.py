@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import warmcap.warmup.hook
 from warmcap.cli import app as cli_app
-from warmcap.engine import build_config
+from warmcap.llm import build_config
 from warmcap.serve import ServeOptions, build_app
 from warmcap.warmup.audit import Violation
 
