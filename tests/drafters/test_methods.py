@@ -10,7 +10,7 @@ import pytest
 
 from warmcap.config import EngineConfig, ModelConfig, SpeculativeConfig
 from warmcap.drafters import build_drafter
-from warmcap.drafters.base import Drafter
+from warmcap.drafters.base import BaseDrafter
 from warmcap.drafters.ngram import NgramDrafter
 from warmcap.drafters.registry import drafter_class, register, registered_methods
 from warmcap.errors import ConfigError
@@ -99,4 +99,4 @@ def test_a_drafter_class_for_an_unknown_or_taken_method_is_refused() -> None:
             pass
 
     assert drafter_class("ngram") is NgramDrafter
-    assert issubclass(drafter_class("ngram"), Drafter)
+    assert issubclass(drafter_class("ngram"), BaseDrafter)
