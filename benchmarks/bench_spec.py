@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "bench_prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
 
 
 def load_prompts(path: Path, kind: str) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "bench_prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
 
 
 def load_prompts(path: Path, n: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""The reservation rule against the reference engine's facts (DESIGN.md) and the lookahead table."""
+"""The reservation rule against the reference engine's facts (docs/warmup.md) and the lookahead table."""
 
 from __future__ import annotations
 

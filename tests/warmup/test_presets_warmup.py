@@ -43,7 +43,7 @@ def _config(model: str, mode: str, spec: str | None, *, enforce_eager: bool = Fa
 
 
 def _expected_mamba(spec: MambaSpec, num_tokens: int, lookahead: int, k: int) -> int:
-    """The Mamba rows of DESIGN.md's table, written out per mode."""
+    """The Mamba rows of the reservation table (docs/warmup.md), written out per mode."""
     if spec.cache_mode == "align":
         return int(blocks_covering(num_tokens, spec.block_size)) + k
     return int(blocks_covering(min(num_tokens + lookahead, MAX_MODEL_LEN), spec.block_size)) + k

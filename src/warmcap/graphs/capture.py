@@ -1,6 +1,6 @@
 """Graph capture over static buffers: ``cuda`` records, ``static`` and ``compile`` don't.
 
-Order (DESIGN.md, Graphs): one eager pass over every shape first (target and drafter), then capture
+Order (docs/graphs.md): one eager pass over every shape first (target and drafter), then capture
 largest first into one shared memory pool, target graphs before drafter graphs. Capture inputs are
 benign all-padding batches (every slot PAD, every row ``seq_len`` 0), so capture writes nothing
 but the sink block. Each shape keeps the metadata objects of its eager pass: backends that plan

@@ -9,7 +9,7 @@ A graph is keyed by a frozen :class:`BatchDescriptor`. Two kinds exist:
 
 A batch with any request still in its prompt never goes to a uniform-decode graph, even if its
 query lengths happen to be uniform: a 2-token prompt chunk and a 1+k=2 verify step look alike but
-are not the same computation (DESIGN.md, Graphs).
+are not the same computation (docs/graphs.md).
 """
 
 from __future__ import annotations
