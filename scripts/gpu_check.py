@@ -103,11 +103,12 @@ def check_engine(
     from warmcap.graphs.render import render
     from warmcap.graphs.report import SpecInfo
     from warmcap.graphs.startup import capture_graphs
-    from warmcap.runner_v2.attention.selector import select_backend
     from warmcap.sampling_params import SamplingParams
 
     config = EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, device="cuda", batch_invariant=batch_invariant),
+        model=ModelConfig(
+            model=model, dtype=dtype, device="cuda", batch_invariant=batch_invariant, attention_backend=attn
+        ),
         cache=CacheConfig(block_size=16, num_blocks=1024, mamba_cache_mode=MAMBA_MODE),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512),
         speculative=SpeculativeConfig.parse(spec),
@@ -116,7 +117,6 @@ def check_engine(
     engine = LLMEngine(config, startup_hooks=[])
     load_s = time.perf_counter() - t0
     runner = engine.runner
-    runner.attn_backend = select_backend(runner.device, name=attn)
     params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in PROMPTS]
     before = [o.token_ids for o in engine.generate(PROMPTS, params)]
 

@@ -202,3 +202,15 @@ def test_startup_hooks_get_a_context_and_their_results_are_kept_by_name() -> Non
     # Only the null block is in use before the first request.
     assert engine.startup_results == {"probe": 1}
     assert "probe" in engine.startup_timings
+
+
+def test_attention_backend_is_chosen_by_the_config() -> None:
+    """The backend a run asks for is the one full-attention layers get (scripts/gpu_check.py asks
+    for flashinfer this way); an unknown name is refused before anything loads."""
+    from warmcap.contracts.backends import AttentionBackend
+    from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
+
+    llm = LLM("tiny-llama", device="cpu", attention_backend="torch", enforce_eager=True, num_blocks=64)
+    assert isinstance(llm.engine.runner.backends.get("full", AttentionBackend), TorchPagedAttention)
+    with pytest.raises(ConfigError, match="attention_backend 'paged' is unknown: use one of auto, torch"):
+        LLM("tiny-llama", device="cpu", attention_backend="paged")

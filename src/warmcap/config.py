@@ -17,6 +17,7 @@ SPEC_METHODS: tuple[str, ...] = tuple(METHODS)
 KV_ROLES: tuple[str, ...] = ("none", "producer", "consumer")
 MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "all", "align")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "flashinfer")
 MAX_SPECULATIVE_TOKENS = 16
 
 KVRole = Literal["none", "producer", "consumer"]
@@ -40,6 +41,9 @@ class ModelConfig:
     # Fixed-shape GEMM tiles, so a token's output never depends on its batch (see
     # models/batch_invariant.py): graph replays then equal eager steps bit for bit, at a speed cost.
     batch_invariant: bool = False
+    # Attention backend of full and sliding-window layers (runner_v2/attention/selector.py):
+    # auto (FlashInfer on CUDA when installed, else torch), torch or flashinfer.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model is empty: pass a preset name (e.g. smollm2-135m) or a path")
@@ -50,6 +54,10 @@ class ModelConfig:
         _require(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             f"device {self.device!r} is not supported: use auto, cpu or cuda[:N]",
+        )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend {self.attention_backend!r} is unknown: use one of {', '.join(ATTENTION_BACKENDS)}",
         )
 
 

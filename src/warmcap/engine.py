@@ -112,7 +112,7 @@ class LLMEngine:
             self.kv_groups,
             self.num_blocks,
             device=self.device,
-            attn_backend=select_backend(self.device),
+            attn_backend=select_backend(self.device, name=config.model.attention_backend),
             drafter=self.drafter,
         )
         self.spec_metrics = SpecDecodeMetrics()

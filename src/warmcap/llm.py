@@ -18,6 +18,7 @@ _KWARG_TARGETS: dict[str, tuple[str, str]] = {
     "seed": ("model", "seed"),
     "enforce_eager": ("model", "enforce_eager"),
     "batch_invariant": ("model", "batch_invariant"),
+    "attention_backend": ("model", "attention_backend"),
     "block_size": ("cache", "block_size"),
     "num_blocks": ("cache", "num_blocks"),
     "memory_fraction": ("cache", "memory_fraction"),

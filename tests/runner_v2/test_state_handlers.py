@@ -59,12 +59,12 @@ def test_the_step_drives_each_handler_at_its_points() -> None:
     handler = RecordingHandler()
     handler_type_check: StateHandler = handler
     runner.state_handlers.append(handler_type_check)
-    runner.record_kv_writes = True
     sched.add("a", PROMPTS["a"], SamplingParams(temperature=0.0, max_tokens=2))
-    while sched.reqs:
-        out = sched.schedule()
-        sched.update(out, runner.execute_model(out))
-    runner.execute_model(sched.schedule())  # delivers the finish
+    with runner.recording_kv_writes(True):
+        while sched.reqs:
+            out = sched.schedule()
+            sched.update(out, runner.execute_model(out))
+        runner.execute_model(sched.schedule())  # delivers the finish
     names = [name for name, _ in handler.calls]
     # prefill step, decode step, then the empty step that only forgets the finished request
     assert names == ["forget", "begin_step", "metadata", "finish_step"] * 2 + ["forget"]

@@ -7,6 +7,7 @@ import importlib.util
 
 import torch
 
+from warmcap.config import ATTENTION_BACKENDS
 from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.registry import BackendRegistry
 from warmcap.errors import ConfigError
@@ -14,7 +15,7 @@ from warmcap.runner_v2.attention.indexer import TorchIndexerBackend
 from warmcap.runner_v2.attention.mla import TorchMLABackend
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
-BACKEND_NAMES: tuple[str, ...] = ("auto", "torch", "flashinfer")
+BACKEND_NAMES: tuple[str, ...] = ATTENTION_BACKENDS
 
 
 def flashinfer_available() -> bool:
