@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from warmcap import __version__
 from warmcap.errors import NonFiniteLogitsError, WarmcapError
@@ -20,6 +21,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+# NOTE: messages go through rich.markup.escape: an audit sample's "[draft_step_0]" is not markup.
 # NOTE: soft wrap: rich otherwise folds long lines at the terminal width (80 columns when stderr
 # is not a terminal), and an error must stay one line for whoever greps the log.
 err = Console(stderr=True, soft_wrap=True)
@@ -34,7 +36,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except WarmcapError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
             raise typer.Exit(EXIT_USAGE) from None
 
     return wrapper
@@ -67,6 +69,10 @@ BATCH_INVARIANT_HELP = (
     "eager steps bit for bit (slower; Llama-family models)."
 )
 MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
+AUDIT_SERVING_HELP = (
+    "Audit the KV writes of every serving step, as warmup is audited; a step that writes outside its "
+    "blocks fails with the request, group, position and slot (slower: a debugging and CI switch)."
+)
 SPEC_HELP = (
     "Speculative decoding: METHOD[:K][@DRAFT] (e.g. eagle3:3, dflash:7, draft_model:3@./draft) or vLLM JSON."
 )
@@ -86,11 +92,18 @@ def _engine_config(
     device: str = "auto",
     kv_role: str = "none",
     batch_invariant: bool = False,
+    enforce_eager: bool = False,
 ):
     from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, device=device, batch_invariant=batch_invariant),
+        model=ModelConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            batch_invariant=batch_invariant,
+            enforce_eager=enforce_eager,
+        ),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, mamba_cache_mode=mamba_cache_mode),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -173,10 +186,12 @@ def generate(
         "float32", help="float32, bfloat16, float16 or auto (the checkpoint's dtype on CUDA, float32 on CPU)."
     ),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
+    audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
 ) -> None:
     """Generate text, streamed as it comes; with --spec, acceptance stats follow."""
     from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
+    from warmcap.warmup.audit import AuditViolationError
 
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
@@ -187,15 +202,16 @@ def generate(
         max_model_len=max_model_len,
         dtype=dtype,
         batch_invariant=batch_invariant,
+        audit_serving=audit_serving,
     )
     use_chat = chat and getattr(llm.tokenizer, "chat_template", None) is not None
     out = Console()
     try:
         for delta in llm.generate_stream(prompt, params, use_chat_template=use_chat):
             out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
-    except NonFiniteLogitsError as exc:
-        # Not a usage error: the model itself is broken, so the exit code is 1, not 2.
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    except (NonFiniteLogitsError, AuditViolationError) as exc:
+        # Not a usage error: the model (or warmcap, for a stray write) is broken, so exit 1, not 2.
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     out.print()
     stats = _spec_stats(llm)
@@ -246,6 +262,7 @@ def run(
     strict: bool = typer.Option(False, help="Exit non-zero when any graph fails verification."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
+    audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
@@ -256,6 +273,7 @@ def run(
     from warmcap.graphs.render import render
     from warmcap.graphs.sizes import parse_capture_sizes
     from warmcap.startup import run_startup
+    from warmcap.warmup.hook import VIOLATION_ADVICE
 
     config = _engine_config(
         model=model,
@@ -277,7 +295,9 @@ def run(
         console.print(
             f"[bold]warmup run[/] {model} spec={spec}: loading, warmup with audit, graph capture ..."
         )
-    result = run_startup(config, backend=backend, capture_sizes=sizes, audit=audit)
+    result = run_startup(
+        config, backend=backend, capture_sizes=sizes, audit=audit, audit_serving=audit_serving
+    )
     report = result.report
     if out:
         Path(out).write_text(report.to_json())
@@ -288,8 +308,11 @@ def run(
         for i, text in enumerate(result.smoke_texts):
             console.print(f"[bold]smoke {i}[/] {text!r}", highlight=False)
     if result.audit_violations:
+        samples = report.warmup_audit.violation_samples
         err.print(
-            f"[bold red]FAIL:[/] {result.audit_violations} stray KV write(s) during warmup (see the audit above)"
+            f"[bold red]FAIL:[/] warmup audit found {result.audit_violations} stray KV write(s), first: "
+            f"{escape(samples[0]) if samples else '?'}; {VIOLATION_ADVICE}",
+            highlight=False,
         )
         raise typer.Exit(1)
     if strict and result.failed_verification:
@@ -401,6 +424,10 @@ def serve(
     kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
+    enforce_eager: bool = typer.Option(
+        False, "--enforce-eager", help="Capture no graphs: every step runs eagerly (start-up is faster)."
+    ),
+    audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
 ) -> None:
     """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
 
@@ -422,10 +449,11 @@ def serve(
         dtype=dtype,
         kv_role=kv_role,
         batch_invariant=batch_invariant,
+        enforce_eager=enforce_eager,
     )
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
-    options = ServeOptions(api_key=api_key, backend=backend, capture_sizes=sizes)
+    options = ServeOptions(api_key=api_key, backend=backend, capture_sizes=sizes, audit_serving=audit_serving)
     failure = run_server(config, options, host=host, port=port)
     if failure is not None:
-        err.print(f"[bold red]FAIL:[/] start-up did not become ready: {failure}", highlight=False)
+        err.print(f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure)}", highlight=False)
         raise typer.Exit(1)

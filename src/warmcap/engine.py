@@ -36,6 +36,7 @@ from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
 from warmcap.sampling_params import SamplingParams
 from warmcap.startup_hooks import StartupContext, StartupHook, hook_name
 from warmcap.warmup.hook import warmup_hook
+from warmcap.warmup.serving_audit import ServingAudit
 
 if TYPE_CHECKING:
     from warmcap.graphs.startup import GraphStartup
@@ -66,9 +67,20 @@ class LLMEngine:
     scheduler and runner exist, before the first request; each gets a
     :class:`~warmcap.startup_hooks.StartupContext` and its result is kept in ``startup_results``
     under its name (``warmup``, ``graph_capture``).
+
+    ``audit_serving`` records and audits the KV writes of every serving step (invariant I2, as
+    warmup is audited); a step that writes outside its blocks raises
+    :class:`~warmcap.warmup.audit.AuditViolationError` and its requests are aborted. It copies slot
+    mappings to the host each step, so it costs throughput: a debugging and CI switch.
     """
 
-    def __init__(self, config: EngineConfig, *, startup_hooks: Sequence[StartupHook] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        startup_hooks: Sequence[StartupHook] | None = None,
+        audit_serving: bool = False,
+    ) -> None:
         from warmcap.models.loader import load_hf_config, load_model, load_tokenizer
         from warmcap.runner_v2.attention.selector import select_backend
 
@@ -137,6 +149,10 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             kv_cache_manager=self.kv_cache_manager,
             runner=self.runner,
+        )
+        #: the per-step KV-write audit (None: ``audit_serving`` is off)
+        self.serving_audit = (
+            ServingAudit.of(self.runner, self.kv_cache_manager, self.kv_groups) if audit_serving else None
         )
         for hook in self.startup_hooks:
             t_hook = time.perf_counter()
@@ -231,7 +247,8 @@ class LLMEngine:
             self._abort_all(r.request_id for r in self.scheduler.running)
             raise
         try:
-            runner_out = self.runner.execute_model(sched_out)
+            with self._audited():
+                runner_out = self.runner.execute_model(sched_out)
             logits = self._step_logits(sched_out)
             results = self.scheduler.update_from_output(sched_out, runner_out)
         except BaseException:
@@ -265,6 +282,9 @@ class LLMEngine:
                 del self._requests[res.req_id]
             outputs.append(tracked.output(self.decode, res.new_token_ids, res.finish_reason))
         return outputs
+
+    def _audited(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if self.serving_audit is None else self.serving_audit.step()
 
     def _release_rows(self, req_ids: set[str]) -> None:
         """Drop ``req_ids`` from the runner's persistent batch now: the failed step may never have

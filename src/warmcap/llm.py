@@ -87,8 +87,13 @@ class LLM:
     ``dtype="auto"``, ``speculative_config``, ...); see :data:`LLM_KWARGS`.
     """
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        self.engine = LLMEngine(build_config(model, **kwargs))
+    def __init__(self, model: str = "smollm2-135m", *, audit_serving: bool = False, **kwargs: Any) -> None:
+        """``audit_serving=True`` audits the KV writes of every step (see :class:`LLMEngine`).
+
+        Raises :class:`~warmcap.warmup.audit.AuditViolationError` when the start-up audit finds a
+        stray KV write: an engine whose cache may be corrupted is never handed out.
+        """
+        self.engine = LLMEngine(build_config(model, **kwargs), audit_serving=audit_serving)
 
     @property
     def tokenizer(self) -> Any:

@@ -51,15 +51,22 @@ def run_startup(
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
     audit: bool | None = None,
+    audit_serving: bool = False,
     smoke_tokens: int = 16,
     num_smoke_prompts: int = 2,
 ) -> StartupRun:
-    """Start an engine with warmup and graph hooks, run a short greedy generation, build the report."""
+    """Start an engine with warmup and graph hooks, run a short greedy generation, build the report.
+
+    A warmup audit violation does not raise here: the report carries it (``audit_violations``) and
+    the caller refuses (``warmup run`` exits 1, ``warmup serve`` never becomes ready); the smoke
+    generation is skipped then, as the cache may be corrupted. ``audit_serving`` audits every step
+    the engine runs afterwards, the smoke generation included.
+    """
     hooks = [
-        partial(warmup_hook, audit=audit),
+        partial(warmup_hook, audit=audit, strict=False),
         partial(graph_capture_hook, backend=backend, capture_sizes=capture_sizes),
     ]
-    engine = LLMEngine(config, startup_hooks=hooks)
+    engine = LLMEngine(config, startup_hooks=hooks, audit_serving=audit_serving)
     warm = engine.warmup_result
     graphs = engine.graph_startup
     if warm is None:
@@ -70,7 +77,7 @@ def run_startup(
     prompts = list(SMOKE_PROMPTS[:num_smoke_prompts])
     if engine.tokenizer is None:
         prompts = [[1 + i, 2 + i, 3 + i] for i in range(num_smoke_prompts)]
-    outputs = engine.generate(prompts, [params] * len(prompts))
+    outputs = engine.generate(prompts, [params] * len(prompts)) if warm.audit.ok else []
     smoke = time.perf_counter() - t1
 
     m = engine.spec_metrics

@@ -27,9 +27,9 @@ down from its source, ``vllm/v1/core/``:
 - Mode ``none`` sizes a Mamba block to ``max_model_len`` (vLLM's ``MambaSpec`` without prefix
   caching), so a request holds ``1 + k`` state blocks whatever its length.
 
-One known difference, asserted as such: where vLLM puts the null block in a Mamba group's first
-column, warmcap keeps that block (its runner tells a row's request by it; see
-``core/group_managers.py`` ``MambaManager.null_columns``), so it holds exactly one block more.
+Mamba's first column included: where vLLM puts the null block there, so does warmcap (its
+runner tells a row's request by its newest block, ``runner_v2/mamba_state.py``
+``identity_blocks``), and the counts are vLLM's exactly.
 """
 
 from __future__ import annotations
@@ -83,8 +83,11 @@ def drive(
         columns = reserved_blocks(spec, n, num_lookahead_tokens=call.lookahead, max_model_len=max_model_len)
         assert len(ids) >= columns, f"call {i}: {len(ids)} columns, the rule says {columns}"
         physical = sum(1 for b in ids if b != 0)
-        want = call.physical + (1 if call.column0_null and isinstance(spec, MambaSpec) else 0)
-        assert physical == want, f"call {i}: warmcap holds {physical}, vLLM {call.physical}: {ids}"
+        assert physical == call.physical, f"call {i}: warmcap holds {physical}, vLLM {call.physical}: {ids}"
+        if isinstance(spec, MambaSpec):
+            assert (ids[0] == 0) == call.column0_null, (
+                f"call {i}: first column {ids[0]}, vLLM's null: {call.column0_null}"
+            )
         assert kv.pool.num_free_blocks == num_blocks - 1 - physical
     kv.free(req)
     assert kv.pool.num_free_blocks == num_blocks - 1

@@ -74,6 +74,32 @@ def test_audit_violation_keeps_server_from_ready(monkeypatch) -> None:
     assert "Traceback" not in result.output
 
 
+def test_serve_enforce_eager_becomes_ready_with_no_graphs_and_audits_serving(monkeypatch) -> None:
+    import warmcap.serve.server
+
+    seen = {}
+
+    def capture(config, options, *, host, port):
+        seen.update(config=config, options=options)
+
+    monkeypatch.setattr(warmcap.serve.server, "serve", capture)
+    args = ["serve", *SMALL, "--enforce-eager", "--audit-serving", "--port", str(free_port())]
+    result = CliRunner().invoke(cli_app, args)
+    assert result.exit_code == 0, result.output
+    with running(build_app(seen["config"], seen["options"])) as srv:
+        srv.wait_ready()
+        startup = httpx.get(srv.base_url + "/startup").json()
+        assert startup["backend"] == "eager" and startup["graphs"] == []
+        engine = srv.state.loop.engine
+        assert engine.runner.graphs is None
+        audit = engine.serving_audit.totals
+        steps_before = audit.steps
+        done = srv.client().completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8)
+        assert done.choices[0].text
+        # every step of the request was audited (one per token with no drafts), all clean
+        assert audit.ok and audit.steps - steps_before >= 8 and audit.slots_checked > 0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_inflight_requests_with_an_error_and_exits_0(sig: signal.Signals) -> None:
     port = free_port()

@@ -153,10 +153,6 @@ class SlidingWindowManager(SkippingManager):
     """Sliding-window attention: blocks that left the window go back."""
 
 
-# Leading Mamba columns never released (see MambaManager.null_columns).
-IDENTITY_COLUMNS = 1
-
-
 class MambaManager(SkippingManager):
     """Mamba state: blocks behind the live state go back (modes ``all``/``align``); in ``align`` a
     step's columns that never hold a state stay null (``reservation.stateless_columns``)."""
@@ -164,16 +160,14 @@ class MambaManager(SkippingManager):
     def null_columns(
         self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
     ) -> tuple[range, ...]:
-        # NOTE: column 0 keeps its block although the reference engine frees it too: the runner
-        # tells a Mamba row's request by the block in its first column and takes a null first
-        # block for a padded row (runner_v2/mamba_state.py MambaStates), so one block per request
-        # and group stays held for that until the runner matches rows another way.
-        skipped = range(IDENTITY_COLUMNS, skipped_blocks(self.spec, num_computed_tokens))
+        # Column 0 goes back too, as in the reference engine: the runner tells a row's request by
+        # its newest block (runner_v2/mamba_state.py identity_blocks), which is always held.
+        skipped = range(skipped_blocks(self.spec, num_computed_tokens))
         # NOTE: after a verify step the live state is the state after the last accepted draft,
         # any of the 1 + k columns from the last computed token's (runner_v2/mamba_state.py).
         live = 1 + self.spec.num_speculative_blocks if after_drafts else 1
         gap = stateless_columns(self.spec, num_computed_tokens, num_committed_tokens, num_live_columns=live)
-        return skipped, range(max(IDENTITY_COLUMNS, gap.start), gap.stop)
+        return skipped, gap
 
 
 MANAGER_BY_KIND: dict[str, type[GroupManager]] = {

@@ -10,19 +10,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from warmcap.contracts.metadata import MambaMetadata
 from warmcap.runner_v2.mamba_state import (
     StatePlan,
     anchor_column,
     build_mamba_metadata,
+    identity_blocks,
     plan_state,
     probe_plan,
     row_spans,
 )
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from warmcap.contracts.metadata import AttentionMetadata
     from warmcap.core.kv_spec import MambaSpec
 
@@ -66,10 +68,11 @@ def draft_state_metadata(
 ) -> tuple[MambaMetadata, list[StatePlan]]:
     """A drafter pass's Mamba metadata and plans (:func:`draft_state_plans`).
 
-    Rows are matched to the persistent batch through their first block (``tables``: the group's
-    persistent block table, ``num_known_tokens``: tokens known per persistent row), so the same
-    call serves eager passes and graph replays. Padded rows (null first block) read the zero state
-    and write nothing; rows of no running request are probes (:func:`probe_plan`).
+    Rows are matched to the persistent batch through their last non-null block
+    (:func:`~warmcap.runner_v2.mamba_state.identity_blocks`; ``tables``: the group's persistent
+    block table, ``num_known_tokens``: tokens known per persistent row), so the same call serves
+    eager passes and graph replays. Padded rows (null blocks only) read the zero state and write
+    nothing; rows of no running request are probes (:func:`probe_plan`).
     """
     plans = draft_row_plans(spec, meta, tables, num_known_tokens)
     return build_mamba_metadata(meta, plans), plans
@@ -79,7 +82,7 @@ def draft_row_plans(
     spec: MambaSpec, meta: AttentionMetadata, tables: np.ndarray, num_known_tokens: np.ndarray
 ) -> list[StatePlan]:
     """The plans of :func:`draft_state_metadata`, one per row of ``meta`` (padded rows included)."""
-    row_of = {int(b): r for r, b in enumerate(tables[:, 0].tolist()) if b}
+    row_of = {b: r for r, b in enumerate(identity_blocks(torch.from_numpy(np.asarray(tables)))) if b}
     plans = []
     for c, s, first in row_spans(meta):
         row = row_of.get(first)

@@ -222,13 +222,32 @@ def state_write_slots(
     return positions, slots
 
 
+def identity_blocks(table: torch.Tensor) -> list[int]:
+    """Each row's last non-null block: the block that tells whose row it is (0: only null blocks,
+    a padded row).
+
+    NOTE: not column 0's block: the KV cache manager frees the columns behind a request's live
+    state as the reference engine does, column 0 included (``core/group_managers.py``
+    ``MambaManager``), while the runner's persistent table only ever appends, so a freed front
+    column keeps a stale id that another request may hold by now. The last column is the newest
+    block, which the request still holds, and held Mamba blocks are distinct, so it is unique.
+    """
+    if table.shape[1] == 0:
+        return [0] * table.shape[0]
+    table = table.cpu()
+    width = table.shape[1]
+    from_end = (table != 0).flip(1).to(torch.int8).argmax(dim=1, keepdim=True)
+    return table.gather(1, width - 1 - from_end).squeeze(1).tolist()
+
+
 def row_spans(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
-    """``(num_computed, num_scheduled, first block)`` of every row of ``meta`` (padded included)."""
+    """``(num_computed, num_scheduled, identity block)`` of every row of ``meta`` (padded included;
+    see :func:`identity_blocks`)."""
     qsl = (
         meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc
     ).tolist()
     seq = (meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens).tolist()
-    firsts = meta.block_table[:, 0].tolist() if meta.block_table.shape[1] else [0] * meta.num_reqs
+    firsts = identity_blocks(meta.block_table)
     return [
         (seq[i] - (qsl[i + 1] - qsl[i]), qsl[i + 1] - qsl[i], int(firsts[i])) for i in range(meta.num_reqs)
     ]
@@ -239,18 +258,18 @@ class MambaStates:
     metadata that reads and writes it (see the module docstring for the column rule): the runner's
     :class:`~warmcap.contracts.state_handler.StateHandler` for Mamba layers.
 
-    Rows are matched to requests through their first block in the group (Mamba blocks are never
-    shared), so any pass over the runner's buffers — eager, graph replay, graph verification —
+    Rows are matched to requests through their last non-null block in the group
+    (:func:`identity_blocks`), so any pass over the runner's buffers — eager, graph replay, graph verification —
     gets the right :class:`MambaMetadata`. Rows owned by no running request are probes
-    (:func:`probe_plan`); rows whose table starts with the null block are padding: they read the
-    zero state and write nothing.
+    (:func:`probe_plan`); rows holding only null blocks are padding: they read the zero state and
+    write nothing.
     """
 
     def __init__(self, specs: dict[str, MambaSpec]) -> None:
         self.specs = specs
         self._live: dict[str, dict[str, int]] = {}  # req_id -> group -> live column
         self._drafts: dict[str, int] = {}  # req_id -> drafts verified in the current step
-        self._owner: dict[str, dict[int, str]] = {g: {} for g in specs}  # group -> first block -> req_id
+        self._owner: dict[str, dict[int, str]] = {g: {} for g in specs}  # group -> identity block -> req_id
 
     @classmethod
     def for_groups(cls, groups: Iterable[KVCacheGroup]) -> MambaStates | None:
@@ -276,9 +295,9 @@ class MambaStates:
     def begin_step(
         self, req_ids: Sequence[str], block_tables: Mapping[str, torch.Tensor], num_drafts: Sequence[int]
     ) -> None:
-        """Register the step's requests (step order): their first blocks and draft counts."""
+        """Register the step's requests (step order): their identity blocks and draft counts."""
         for group, owners in self._owner.items():
-            firsts = block_tables[group][: len(req_ids), 0].tolist()
+            firsts = identity_blocks(block_tables[group][: len(req_ids)])
             for req_id, block in zip(req_ids, firsts, strict=True):
                 owners[int(block)] = req_id
         for req_id, d in zip(req_ids, num_drafts, strict=True):

@@ -37,6 +37,8 @@ class ServeOptions:
     #: graph backend and capture sizes for start-up (None: as ``warmup run`` picks them)
     backend: str | None = None
     capture_sizes: list[int] | None = None
+    #: audit the KV writes of every serving step (a stray write fails that step's requests)
+    audit_serving: bool = False
     #: called from the engine thread with the reason when start-up fails or is refused
     on_failure: Callable[[str], None] | None = field(default=None, compare=False)
     #: seconds the lifespan waits for the engine thread at shutdown
@@ -83,7 +85,13 @@ def build_app(
     model_name = config.model.model
     loop: EngineLoop
     metrics = ServingMetrics(model_name, lambda: loop.spec_metrics(), k)
-    starter = start or partial(start_engine, config, backend=opts.backend, capture_sizes=opts.capture_sizes)
+    starter = start or partial(
+        start_engine,
+        config,
+        backend=opts.backend,
+        capture_sizes=opts.capture_sizes,
+        audit_serving=opts.audit_serving,
+    )
     loop = EngineLoop(starter, metrics, num_spec_positions=k, on_failure=opts.on_failure)
 
     @asynccontextmanager

@@ -38,12 +38,22 @@ class StartedEngine:
 
 
 def start_engine(
-    config: EngineConfig, *, backend: str | None = None, capture_sizes: list[int] | None = None
+    config: EngineConfig,
+    *,
+    backend: str | None = None,
+    capture_sizes: list[int] | None = None,
+    audit_serving: bool = False,
 ) -> StartedEngine:
-    """Run the audited start-up of ``warmup run`` (audit always on) and judge its report."""
+    """Run the audited start-up of ``warmup run`` (audit always on) and judge its report.
+
+    With ``enforce_eager`` nothing is captured and the report has no graphs; that is clean too.
+    ``audit_serving`` audits every step the engine then serves (a stray write fails that step).
+    """
     from warmcap.startup import run_startup
 
-    run = run_startup(config, backend=backend, capture_sizes=capture_sizes, audit=True)
+    run = run_startup(
+        config, backend=backend, capture_sizes=capture_sizes, audit=True, audit_serving=audit_serving
+    )
     report = run.report
     audit = report.warmup_audit
     facts = StartupFacts(

@@ -12,10 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from warmcap.errors import WarmcapError
 from warmcap.runner_v2.kv_writes import KVWriteRecord
 
 PAD = -1
 HeldBlocks = Mapping[str, Mapping[str, list[int]]]  # req_id -> group -> block ids
+
+
+class AuditViolationError(WarmcapError):
+    """A pass wrote KV outside the blocks a request holds (invariant I2): at start-up (warmup) or,
+    with ``audit_serving``, during a serving step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,14 @@ class AuditResult:
     def summary(self) -> str:
         verdict = "clean" if self.ok else f"{len(self.violations)} VIOLATION(S)"
         return f"{self.steps} steps, {self.passes} passes, {self.slots_checked} slots checked: {verdict}"
+
+    def describe(self, max_samples: int = 3) -> str:
+        """The count and the first violations on one line (each names request, group, position,
+        slot and block)."""
+        first = "; ".join(str(v) for v in self.violations[:max_samples])
+        more = len(self.violations) - max_samples
+        tail = f"; and {more} more" if more > 0 else ""
+        return f"{len(self.violations)} stray KV write(s): {first}{tail}"
 
     def to_json(self, max_samples: int = 20) -> dict:
         return {

@@ -5,24 +5,31 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from warmcap.errors import WarmcapError
+from warmcap.warmup.audit import AuditViolationError
 from warmcap.warmup.planner import plan_warmup
 from warmcap.warmup.run import WarmupResult, run_warmup
 
 if TYPE_CHECKING:
     from warmcap.startup_hooks import StartupContext
 
+__all__ = ["AuditViolationError", "warmup_hook"]
 
-class AuditViolationError(WarmcapError):
-    """Warmup wrote KV outside the blocks a request holds (invariant I2)."""
+#: What a user can do about a stray write: it is a bug, not a setting.
+VIOLATION_ADVICE = (
+    "the KV cache may hold another request's data, so the engine was not started; this is a warmcap "
+    "bug in block reservation or slot mapping: report it with the output of `warmup run --out "
+    "report.json` (same model and options)"
+)
 
 
-def warmup_hook(ctx: StartupContext, *, audit: bool | None = None, strict: bool = False) -> WarmupResult:
+def warmup_hook(ctx: StartupContext, *, audit: bool | None = None, strict: bool = True) -> WarmupResult:
     """Plan warmup through the engine's own groups and pool size, run it audited, scrub; the
     engine keeps the result as ``startup_results["warmup"]``.
 
     The audit copies slot mappings to the host, so on CUDA it is opt-in (``audit=True``); on CPU it
-    is on by default. ``strict`` turns any violation into :class:`AuditViolationError`.
+    is on by default. Any violation raises :class:`AuditViolationError` (so ``LLM(...)`` fails)
+    unless ``strict=False``, which leaves judging the result to the caller (``warmup run`` and
+    ``warmup serve`` report it first).
     """
     if audit is None:
         audit = ctx.device.type != "cuda"
@@ -32,8 +39,5 @@ def warmup_hook(ctx: StartupContext, *, audit: bool | None = None, strict: bool 
     result = run_warmup(ctx.runner, ctx.kv_cache_manager, plan, audit=audit)
     result.seconds["plan"] = planned
     if strict and not result.audit.ok:
-        first = "; ".join(str(v) for v in result.audit.violations[:3])
-        raise AuditViolationError(
-            f"warmup audit found {len(result.audit.violations)} stray KV write(s): {first}"
-        )
+        raise AuditViolationError(f"warmup audit found {result.audit.describe()}; {VIOLATION_ADVICE}")
     return result
