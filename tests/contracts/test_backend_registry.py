@@ -9,10 +9,19 @@ import pytest
 import torch
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from warmcap.contracts import AttentionBackend, BackendRegistry, IndexerBackend, MLABackend
+from warmcap.contracts import (
+    AttentionBackend,
+    BackendRegistry,
+    IndexerBackend,
+    MambaBackend,
+    MambaMetadata,
+    MambaWeights,
+    MLABackend,
+)
 from warmcap.engine import LLMEngine
 from warmcap.errors import ConfigError
 from warmcap.runner_v2.attention.indexer import TorchIndexerBackend
+from warmcap.runner_v2.attention.mamba2 import TorchMambaBackend
 from warmcap.runner_v2.attention.mla import TorchMLABackend
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 from warmcap.sampling_params import SamplingParams
@@ -22,6 +31,8 @@ def test_a_backend_must_implement_its_kinds_interface() -> None:
     registry = BackendRegistry()
     with pytest.raises(ConfigError, match="'mla' must implement MLABackend; got TorchPagedAttention"):
         registry.register("mla", TorchPagedAttention())
+    with pytest.raises(ConfigError, match="'mamba' must implement MambaBackend; got TorchMLABackend"):
+        registry.register("mamba", TorchMLABackend())
     with pytest.raises(ConfigError, match="KV kind 'base' takes no backend"):
         registry.register("base", TorchPagedAttention())
 
@@ -74,9 +85,25 @@ class RecordingIndexer(TorchIndexerBackend):
         return super().select(q, k, weights, kv_cache, *args, **kwargs)
 
 
-def _engine() -> LLMEngine:
+class RecordingMamba(TorchMambaBackend):
+    def __init__(self) -> None:
+        self.caches: list[int] = []
+
+    def forward(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        state: torch.Tensor,
+        meta: MambaMetadata,
+        weights: MambaWeights,
+    ) -> torch.Tensor:
+        self.caches.append(id(state))
+        return super().forward(xbc, dt, state, meta, weights)
+
+
+def _engine(model: str = "tiny-deepseek-v32") -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(model="tiny-deepseek-v32", dtype="float32", device="cpu"),
+        model=ModelConfig(model=model, dtype="float32", device="cpu"),
         cache=CacheConfig(block_size=16, num_blocks=32),
         scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64),
     )
@@ -119,3 +146,25 @@ def test_mla_and_indexer_layers_use_the_backends_the_runner_registered() -> None
     assert forwards >= 4 and len(mla.caches) == forwards * len(layers_of["mla"])
     assert len(indexer.caches) == forwards * len(layers_of["indexer"])
     assert isinstance(runner.backends.get("indexer", IndexerBackend), RecordingIndexer)
+
+
+def test_mamba_layers_use_the_backend_the_runner_registered() -> None:
+    want = _generate(_engine("tiny-hybrid"))
+    engine = _engine("tiny-hybrid")
+    runner = engine.runner
+    mamba = RecordingMamba()
+    runner.backends.register("mamba", mamba)
+    got = _generate(engine)
+    assert got == want
+    layers = {
+        id(runner.kv_caches.tensors[layer])
+        for g in runner.kv_groups
+        if g.spec.kind == "mamba"
+        for layer in g.layer_names
+    }
+    assert layers
+    # Every Mamba layer ran through the registered backend at every forward, and nothing else did.
+    assert set(mamba.caches) == layers
+    forwards = len(mamba.caches) // len(layers)
+    assert forwards >= 4 and len(mamba.caches) == forwards * len(layers)
+    assert isinstance(runner.backends.get("mamba", MambaBackend), RecordingMamba)

@@ -187,7 +187,10 @@ def test_tiny_hybrid_mixed_graphs_are_unsafe_in_the_ragged_mamba_scan() -> None:
     assert mixed
     for spec in mixed:
         safety = _check(capturer, spec)
-        assert not safety.safe and "warmcap/models/mamba2.py:" in safety.reason, (spec.label, safety)
+        assert not safety.safe and "warmcap/runner_v2/attention/mamba2.py:" in safety.reason, (
+            spec.label,
+            safety,
+        )
 
 
 def test_cuda_planning_leaves_out_exactly_the_graphs_the_check_finds_unsafe() -> None:

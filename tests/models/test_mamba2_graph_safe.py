@@ -13,9 +13,10 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.func import functional_call
 
+from warmcap.contracts.backends import MAX_UNIFORM_QUERY_LEN
 from warmcap.contracts.metadata import MambaMetadata
 from warmcap.models.loader import load_model
-from warmcap.models.mamba2 import MAX_UNIFORM_QUERY_LEN, Mamba2Mixer
+from warmcap.models.mamba2 import Mamba2Mixer
 from warmcap.models.presets import resolve_model
 from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry

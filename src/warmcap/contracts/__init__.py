@@ -11,7 +11,15 @@ and the per-step state handler protocol (:mod:`~warmcap.contracts.state_handler`
 
 from __future__ import annotations
 
-from warmcap.contracts.backends import AttentionBackend, IndexerBackend, MLABackend, MLAWeights
+from warmcap.contracts.backends import (
+    MAX_UNIFORM_QUERY_LEN,
+    AttentionBackend,
+    IndexerBackend,
+    MambaBackend,
+    MambaWeights,
+    MLABackend,
+    MLAWeights,
+)
 from warmcap.contracts.forward_context import ForwardContext
 from warmcap.contracts.metadata import PAD_SLOT_ID, AttentionMetadata, MambaMetadata
 from warmcap.contracts.registry import KIND_INTERFACES, BackendRegistry
@@ -19,6 +27,7 @@ from warmcap.contracts.state_handler import StateHandler
 
 __all__ = [
     "KIND_INTERFACES",
+    "MAX_UNIFORM_QUERY_LEN",
     "PAD_SLOT_ID",
     "AttentionBackend",
     "AttentionMetadata",
@@ -27,6 +36,8 @@ __all__ = [
     "IndexerBackend",
     "MLABackend",
     "MLAWeights",
+    "MambaBackend",
     "MambaMetadata",
+    "MambaWeights",
     "StateHandler",
 ]

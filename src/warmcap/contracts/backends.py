@@ -11,13 +11,19 @@ Every ``forward``/``select`` writes this step's vectors into the layer's cache t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-    from warmcap.contracts.metadata import AttentionMetadata
+    from warmcap.contracts.metadata import AttentionMetadata, MambaMetadata
+
+#: Largest per-row query length a :class:`MambaBackend` must serve graph-safely (uniform batches:
+#: decode, spec verify); longer or ragged rows may take a scan that reads host lists. Graph planning
+#: (:mod:`warmcap.graphs.planning`) leaves such batches out of CUDA graphs.
+MAX_UNIFORM_QUERY_LEN = 16
 
 
 class AttentionBackend(ABC):
@@ -108,3 +114,57 @@ class IndexerBackend(ABC):
         """q [T, H, D] (rotated), k [T, D] (this step's keys), weights [T, H] -> [T, max_seq_len]
         bool: the ``top_k`` best visible context positions of each query, scored
         ``sum_h weights[h] * relu(q_h . key_s * scale)``. Writes ``k`` into ``kv_cache`` first."""
+
+
+@dataclass(frozen=True, slots=True)
+class MambaWeights:
+    """What a Mamba2 mixer hands its backend besides the step's inputs.
+
+    ``conv_weight`` [C, 1, d_conv] and ``conv_bias`` [C] (or None) of the depthwise causal conv,
+    ``a`` [H] = ``-exp(A_log)`` (float32), ``d`` [H] the skip, ``activation`` applied after the conv;
+    ``C = num_heads * head_dim + 2 * n_groups * d_state`` (x, then B, then C).
+    """
+
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None
+    a: torch.Tensor
+    d: torch.Tensor
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    chunk_size: int
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv window, SSM state) shapes of one request's state."""
+        conv_dim = self.conv_weight.shape[0]
+        return (conv_dim, self.conv_weight.shape[-1] - 1), (self.num_heads, self.head_dim, self.d_state)
+
+
+class MambaBackend(ABC):
+    """The conv + SSD recurrence of Mamba2 layers over paged per-request states.
+
+    Per row of the step the backend reads the conv window and SSM state at ``meta.read_blocks``
+    (-1: start from zero), runs the row's tokens through the causal conv and the recurrence, and
+    stores the states reached after each token whose ``meta.write_blocks`` entry is a block (the
+    runner's Mamba state handler plans both). Every row reads before any row's state is stored.
+    Batches whose rows all have the same ``q <= MAX_UNIFORM_QUERY_LEN`` tokens must run without a
+    host read of device data (they are captured in CUDA graphs).
+    """
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        state: torch.Tensor,
+        meta: MambaMetadata,
+        weights: MambaWeights,
+    ) -> torch.Tensor:
+        """xbc [T, C] (before the conv), dt [T, H] (after softplus and clamping, float32), ``state``
+        the layer's ``[num_blocks + 1, total]`` state tensor (last row: a sink nothing reads)
+        -> y [T, H, P] float32, the skip ``d * x`` included; stores states into ``state``."""

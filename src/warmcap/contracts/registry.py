@@ -10,19 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TypeVar
 
-from warmcap.contracts.backends import AttentionBackend, IndexerBackend, MLABackend
+from warmcap.contracts.backends import AttentionBackend, IndexerBackend, MambaBackend, MLABackend
 from warmcap.errors import ConfigError
 
 B = TypeVar("B")
 
 #: The interface a backend must implement to serve each KV spec kind (``KVSpec.kind``).
-#: NOTE: ``mamba`` has none yet: the Mamba2 scan runs in :mod:`warmcap.models.mamba2` over the
-#: :class:`~warmcap.contracts.metadata.MambaMetadata` the runner's state handler plans.
 KIND_INTERFACES: dict[str, type] = {
     "full": AttentionBackend,
     "sliding_window": AttentionBackend,
     "mla": MLABackend,
     "indexer": IndexerBackend,
+    "mamba": MambaBackend,
 }
 
 

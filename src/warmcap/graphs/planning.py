@@ -2,7 +2,7 @@
 then the drafter's ``draft_prefill`` (on the target's token counts) and ``draft_decode`` graphs.
 
 Mamba layers are graph-safe only on uniform batches of at most ``MAX_UNIFORM_QUERY_LEN`` queries per
-row (see :mod:`warmcap.models.mamba2`); ragged ones run a per-row scan over host lists. With the
+row (see :mod:`warmcap.runner_v2.attention.mamba2`); ragged ones run a per-row scan over host lists. With the
 ``cuda`` backend a model with Mamba layers therefore gets no mixed graphs (and a draft LM with Mamba
 layers no draft-prefill graphs); ``static`` and ``compile`` record nothing and keep them all.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from warmcap.contracts.backends import MAX_UNIFORM_QUERY_LEN
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.graphs.descriptors import BatchDescriptor, CUDAGraphMode
 from warmcap.graphs.sizes import default_capture_sizes, uniform_decode_sizes
-from warmcap.models.mamba2 import MAX_UNIFORM_QUERY_LEN
 from warmcap.runner_v2.collaborators import DRAFT_DECODE, DRAFT_PREFILL
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """Pick the runner's backends for a device: FlashInfer attention on CUDA when importable, else pure
-torch; the torch MLA and lightning-indexer backends everywhere."""
+torch; the torch MLA, lightning-indexer and Mamba2 backends everywhere."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.registry import BackendRegistry
 from warmcap.errors import ConfigError
 from warmcap.runner_v2.attention.indexer import TorchIndexerBackend
+from warmcap.runner_v2.attention.mamba2 import TorchMambaBackend
 from warmcap.runner_v2.attention.mla import TorchMLABackend
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
@@ -42,12 +43,14 @@ def select_backend(device: str | torch.device, *, name: str = "auto") -> Attenti
 
 def backend_registry(attention: AttentionBackend) -> BackendRegistry:
     """The backend of every KV kind: ``attention`` for full and sliding-window layers, the torch
-    MLA and lightning-indexer backends for latent-attention layers."""
+    MLA and lightning-indexer backends for latent-attention layers, the torch Mamba2 backend for
+    Mamba layers."""
     return BackendRegistry(
         {
             "full": attention,
             "sliding_window": attention,
             "mla": TorchMLABackend(),
             "indexer": TorchIndexerBackend(),
+            "mamba": TorchMambaBackend(),
         }
     )
