@@ -134,3 +134,20 @@ def test_spec_decode_on_the_hybrid_keeps_greedy_output(mode: str, spec: str) -> 
         # The target drafting for itself: every draft is accepted (acceptance length 1 + k).
         assert metrics.num_draft_tokens > 0
         assert metrics.num_accepted_tokens == metrics.num_draft_tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hybrid_refuses_prefix_caching_asked_for_and_defaults_it_off(mode: str) -> None:
+    """Asked for explicitly, prefix caching on the hybrid is a start-up error naming the Mamba
+    cache mode; left to the default it is off, with the reason on the KV cache manager."""
+    from warmcap.errors import ConfigError
+
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-hybrid", dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=96, mamba_cache_mode=mode, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=20, max_model_len=128),
+    )
+    with pytest.raises(ConfigError, match=f"cache mode {mode!r}.*enable_prefix_caching=False"):
+        LLMEngine(config, startup_hooks=[])
+    kv = _engine("tiny-hybrid", mode=mode).kv_cache_manager
+    assert not kv.enable_caching and f"cache mode {mode!r}" in kv.caching_off_reason

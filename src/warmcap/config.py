@@ -68,7 +68,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     memory_fraction: float = 0.9
-    enable_prefix_caching: bool = True
+    #: None (auto): on where every KV group can serve prefix hits, else off with one line saying why;
+    #: True: required (start-up refuses a model that cannot serve hits); False: off.
+    enable_prefix_caching: bool | None = None
     mamba_cache_mode: str = "none"
 
     def __post_init__(self) -> None:

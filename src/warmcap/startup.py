@@ -108,4 +108,9 @@ def run_startup(
             batch_invariant=is_batch_invariant(engine.model),
             **common,
         )
+    caching_off = engine.kv_cache_manager.caching_off_reason
+    if caching_off:
+        # Prefix caching was left to the default and declined: one line in the report, which
+        # `warmup run` prints, so the user sees every prompt is computed in full.
+        report.notes.append(f"prefix caching is off: {caching_off}")
     return StartupRun(engine, report, [o.text for o in outputs])

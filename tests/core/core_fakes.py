@@ -59,7 +59,7 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     chunked_prefill: bool = True,
-    enable_caching: bool = True,
+    enable_caching: bool | None = None,
     kv_role: str = "none",
     groups: list[KVCacheGroup] | None = None,
     eos_token_id: int | None = None,

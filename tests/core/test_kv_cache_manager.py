@@ -173,13 +173,28 @@ def test_mamba_disables_prefix_caching_for_every_group():
     assert kv.get_computed_blocks(Request("b", list(range(9))))[1] == 0
 
 
+@pytest.mark.parametrize("mode", ["none", "all", "align"])
+def test_hybrid_prefix_caching_asked_for_is_refused_naming_the_mode(mode):
+    mamba = KVCacheGroup("mamba", MambaSpec(block_size=4, cache_mode=mode))
+    with pytest.raises(ConfigError, match=f"cache mode {mode!r}.*enable_prefix_caching=False"):
+        manager(FULL, mamba, enable_caching=True)
+
+
 @pytest.mark.parametrize("mode", ["all", "align"])
-def test_hybrid_prefix_caching_refusal_names_the_mode(mode, caplog):
-    with caplog.at_level("WARNING", logger="warmcap.core.kv_cache_manager"):
+def test_hybrid_prefix_caching_left_to_default_is_off_in_one_line(mode, caplog):
+    with caplog.at_level("INFO", logger="warmcap.core.kv_cache_manager"):
         kv = manager(FULL, KVCacheGroup("mamba", MambaSpec(block_size=4, cache_mode=mode)))
     assert not kv.enable_caching
     assert f"cache mode {mode!r}" in kv.caching_off_reason
-    assert f"prefix caching is off: Mamba group 'mamba' in cache mode {mode!r}" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()]
+    assert lines == [f"prefix caching is off: {kv.caching_off_reason}"] and "\n" not in lines[0]
+
+
+def test_default_prefix_caching_is_on_for_attention_only_models():
+    kv = manager(FULL)
+    assert kv.enable_caching and kv.caching_off_reason == ""
+    prefill(kv, Request("a", list(range(9))))
+    assert kv.get_computed_blocks(Request("b", list(range(9))))[1] > 0
 
 
 def test_no_refusal_when_caching_was_not_asked_for(caplog):

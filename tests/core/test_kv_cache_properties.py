@@ -104,7 +104,11 @@ def test_held_blocks_follow_the_rule_and_nothing_leaks(data, k, max_model_len, c
     groups = data.draw(group_lists(k))
     num_blocks = data.draw(st.integers(2, 80))
     kv = KVCacheManager(
-        groups, num_blocks, max_model_len=max_model_len, enable_caching=caching, max_encoder_len=20
+        groups,
+        num_blocks,
+        max_model_len=max_model_len,
+        enable_caching=None if caching else False,
+        max_encoder_len=20,
     )
     draw_int = lambda lo, hi: data.draw(st.integers(lo, hi))  # noqa: E731
     shared_prefix = [draw_int(0, 3) for _ in range(draw_int(0, 32))]

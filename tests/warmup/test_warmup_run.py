@@ -145,3 +145,15 @@ def test_warmup_run_with_enforce_eager_reports_that_no_graph_was_captured():
     data = json.loads(report.to_json())
     jsonschema.validate(data, report_schema(), cls=jsonschema.Draft202012Validator)
     assert CaptureReport.from_dict(data).backend == "eager"
+
+
+def test_warmup_run_reports_prefix_caching_off_on_a_hybrid_in_one_note():
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-hybrid", device="cpu", dtype="float32", enforce_eager=True),
+        cache=CacheConfig(block_size=16, num_blocks=64, mamba_cache_mode="align"),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128),
+    )
+    run = run_startup(config, smoke_tokens=4, num_smoke_prompts=1)
+    notes = [n for n in run.report.notes if "prefix caching" in n]
+    assert len(notes) == 1 and "cache mode 'align'" in notes[0] and "\n" not in notes[0]
+    assert not run.engine.kv_cache_manager.enable_caching

@@ -66,7 +66,7 @@ class KVCacheManager:
         num_blocks: int,
         *,
         max_model_len: int,
-        enable_caching: bool = True,
+        enable_caching: bool | None = None,
         max_encoder_len: int = 0,
     ) -> None:
         if not groups:
@@ -83,15 +83,20 @@ class KVCacheManager:
         block_sizes = {g.spec.block_size for g in self.groups}
         # Prefix hits must hold in every group at once: only when all groups can share blocks
         # and one hash chain (one block size) describes them all.
-        self.enable_caching = (
-            enable_caching and all(m.supports_prefix_cache for m in managers) and len(block_sizes) == 1
-        )
-        #: Why prefix caching is off although it was asked for ("" when it is on or was not asked).
+        can_cache = all(m.supports_prefix_cache for m in managers) and len(block_sizes) == 1
+        if enable_caching and not can_cache:
+            # Asked for explicitly: a silent downgrade would hide that every prompt is recomputed.
+            raise ConfigError(
+                f"prefix caching was asked for but cannot serve hits here: {_caching_off_reason(self.groups)}; "
+                "turn it off (enable_prefix_caching=False) or leave it unset to let warmcap decide"
+            )
+        self.enable_caching = bool(enable_caching is not False and can_cache)
+        #: Why prefix caching is off although it was left to warmcap ("" when on or turned off).
         self.caching_off_reason = (
-            "" if self.enable_caching or not enable_caching else _caching_off_reason(self.groups)
+            "" if can_cache or enable_caching is False else _caching_off_reason(self.groups)
         )
         if self.caching_off_reason:
-            logger.warning("prefix caching is off: %s", self.caching_off_reason)
+            logger.info("prefix caching is off: %s", self.caching_off_reason)
         self.pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
         self.managers: list[GroupManager] = [
             cls(g, self.pool) for cls, g in zip(managers, self.groups, strict=True)
@@ -357,8 +362,7 @@ def _caching_off_reason(groups: Sequence[KVCacheGroup]) -> str:
         if mode is not None:
             return (
                 f"Mamba group {g.name!r} in cache mode {mode!r}: warmcap does not share Mamba states "
-                "through the prefix cache yet, so every prompt is computed in full; "
-                "set enable_prefix_caching=False to say so explicitly"
+                "through the prefix cache yet, so every prompt is computed in full"
             )
         if not MANAGER_BY_KIND[g.spec.kind].supports_prefix_cache:
             return f"group {g.name!r} ({g.spec.kind}) has no prefix-cache support"

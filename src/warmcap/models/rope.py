@@ -1,13 +1,14 @@
 """Rotary position embeddings (rotate-half convention) for the variants HF configs name.
 
-``rope_type`` default, linear, dynamic (NTK), llama3 and yarn are supported. cos/sin are computed
-per token from the positions in float32 and cast to the activation dtype, so any position works and
-no table depends on ``max_position_embeddings``.
+``rope_type`` default, linear, dynamic (NTK), llama3 and yarn are supported. The inverse frequencies
+and attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS`` (so every variant is computed
+the way the reference computes it); the rotation itself is warmcap's. cos/sin are computed per token
+from the positions in float32 and cast to the activation dtype, so any position works and no table
+depends on ``max_position_embeddings`` (only ``dynamic``, and ``yarn`` without a ``factor``, read it).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,54 +33,58 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    # NOTE: transformers keeps "default" out of ROPE_INIT_FUNCTIONS (each model computes it); this is
+    # the same arithmetic as its Llama ``compute_default_rope_parameters``.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
     return 1.0 / (base**exponents)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
-    factor = params["factor"]
-    low, high = params["low_freq_factor"], params["high_freq_factor"]
-    old_len = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are interpolated by ``factor``, short ones kept, the band between blended.
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(in_band, blended, scaled)
+@dataclass(slots=True)
+class _RopeConfigView:
+    """What transformers' rope init functions read from a config, with warmcap's rotary width.
+
+    The functions take ``head_dim`` from the config; DeepSeek's MLA rotates only
+    ``qk_rope_head_dim`` of each head, so the view carries the width the caller gives.
+    """
+
+    rope_parameters: dict[str, Any]
+    head_dim: int
+    max_position_embeddings: int | None
+    hidden_size: int = 0
+    num_attention_heads: int = 1
+
+    def standardize_rope_params(self) -> None:
+        """Already flat and standardized by :func:`rope_parameters`."""
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+def _usable_max_positions(hf_config: Any) -> int | None:
+    value = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
 
 
-def _yarn_inv_freq(base: float, dim: int, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
-    orig = params["original_max_position_embeddings"]
-    factor = params.get("factor") or max_pos / orig
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-        else:
-            attention_factor = _yarn_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
+def _init_freqs(hf_config: Any, params: dict[str, Any], head_dim: int) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim/2] and the attention scaling, from transformers' ROPE_INIT_FUNCTIONS."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # a zero-width ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(torch.float32) / dim)
-    extrapolate = 1 - ramp
-    inv_freq = (1.0 / (factor * freqs)) * (1 - extrapolate) + (1.0 / freqs) * extrapolate
-    return inv_freq, float(attention_factor)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return _base_inv_freq(float(params["rope_theta"]), head_dim), 1.0
+    max_pos = _usable_max_positions(hf_config)
+    needs_max_pos = rope_type == "dynamic" or (rope_type == "yarn" and not params.get("factor"))
+    if needs_max_pos and max_pos is None:
+        raise ModelLoadError(
+            f"rope_type {rope_type!r} needs the config's max_position_embeddings, but it is "
+            f"{getattr(hf_config, 'max_position_embeddings', None)!r}; set it in the model's config.json"
+        )
+    view = _RopeConfigView(dict(params), head_dim, max_pos)
+    view.rope_parameters.setdefault("factor", None)  # yarn reads it with [] and derives it when None
+    # NOTE: built on CPU explicitly: models are constructed under ``torch.device("meta")``, and the
+    # init functions create some tensors without a device, so the CPU default is set around the call.
+    with torch.device("cpu"):
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](view, torch.device("cpu"))
+    return inv_freq.to(torch.float32), float(attention_factor)
 
 
 @dataclass(slots=True)
@@ -114,18 +119,10 @@ class RotaryEmbedding:
                 f"partial_rotary_factor {params['partial_rotary_factor']} is not supported for this model; "
                 "only full-width RoPE (1.0) is implemented"
             )
-        # NOTE: built on CPU explicitly: models are constructed under ``torch.device("meta")``.
         base = float(params["rope_theta"])
-        max_pos = int(hf_config.max_position_embeddings)
-        inv_freq = _base_inv_freq(base, head_dim)
-        attention_factor = 1.0
-        if rope_type == "linear":
-            inv_freq = inv_freq / params["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, params)
-        elif rope_type == "yarn":
-            inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, params, max_pos)
+        inv_freq, attention_factor = _init_freqs(hf_config, params, head_dim)
         dynamic_factor = float(params["factor"]) if rope_type == "dynamic" else 1.0
+        max_pos = _usable_max_positions(hf_config) or 0
         return cls(head_dim, rope_type, base, inv_freq, attention_factor, dynamic_factor, max_pos)
 
     def _inv_freq_for(self, positions: torch.Tensor) -> torch.Tensor:
