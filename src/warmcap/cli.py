@@ -208,7 +208,10 @@ def generate(
         None, help="KV pool size in blocks, null block included (default: sized from memory)."
     ),
     enforce_eager: bool = typer.Option(
-        False, "--enforce-eager", help="Capture no graphs: every step runs eagerly (fastest start)."
+        None,
+        "--enforce-eager/--capture-graphs",
+        help="Capture no graphs, every step eager (default on CPU, where the static graph backend "
+        "replays eager code and capture would only delay the first token); graphs by default on CUDA.",
     ),
     dtype: str = typer.Option(
         "float32", help="float32, bfloat16, float16 or auto (the checkpoint's dtype on CUDA, float32 on CPU)."
@@ -239,6 +242,10 @@ def generate(
         lookahead = speculative.num_speculative_tokens if speculative else 0
         max_model_len = request_context_len(len(prompt_ids), max_tokens, lookahead, block_size=16)
         max_model_len = _within_model_limit(model, max_model_len)
+    if enforce_eager is None:
+        from warmcap.assembly import resolve_device
+
+        enforce_eager = resolve_device("auto").type != "cuda"
     with _watched_startup(quiet=quiet, verbose=verbose):
         llm = LLM(
             model,
