@@ -88,10 +88,13 @@ class StartupProgress:
     def __call__(self, event: StartupEvent) -> None:
         if not self.enabled:
             return
+        from rich.markup import escape
+
         label = PHASE_LABELS.get(event.phase, event.phase)
-        # A finished line keeps its last message unless the event brings a summary.
+        # A finished line keeps its last message unless the event brings a summary; messages are
+        # escaped (a path or a graph label may hold "[...]", which rich would read as markup).
         if event.message or event.phase not in self._described:
-            self._described[event.phase] = f"{label}: {event.message}" if event.message else label
+            self._described[event.phase] = f"{label}: {escape(event.message)}" if event.message else label
         description = self._described[event.phase]
         task = self._tasks.get(event.phase)
         if task is None:
