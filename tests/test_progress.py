@@ -84,3 +84,11 @@ def test_nothing_is_drawn_into_a_pipe():
         progress(StartupEvent("load", finished=True, seconds=0.1))
     assert not progress.enabled
     assert buffer.getvalue() == ""
+
+
+def test_messages_are_shown_as_written_not_read_as_markup():
+    buffer = io.StringIO()
+    with StartupProgress(_terminal(buffer)) as progress:
+        progress(StartupEvent("load", "/models/[bold]odd[/bold] name"))
+        progress(StartupEvent("load", finished=True, seconds=0.1))
+    assert "/models/[bold]odd[/bold] name" in ANSI.sub("", buffer.getvalue())
