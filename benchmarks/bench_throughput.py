@@ -1,17 +1,30 @@
-"""Offline throughput: warmcap vs transformers ``generate`` (left-padded batch) vs transformers paged
-``generate_batch``, same prompts, same weights, same run.
+"""Offline throughput: warmcap vs vLLM's CPU engine vs transformers ``generate`` (left-padded batch)
+vs transformers paged ``generate_batch``, on the same token ids and the same weights.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_throughput.py [--num-prompts 16] [--max-tokens 64]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_throughput.py --peers warmcap,vllm,hf_generate \
+        --threads 1 --rounds 3 [--eager] [--vllm-python .venv-vllm/bin/python]
 
-Greedy, ``ignore_eos``: every peer generates exactly ``max_tokens`` per prompt. Each engine first
-runs one short warm-up request; a timed run is one call over all prompts, peers interleaved over
-``--rounds`` rounds, best round reported.
+The workload ships here (``benchmarks/data/bench_prompts.jsonl``): the first ``--num-prompts``
+``general`` prompts through the model's chat template, ``--max-tokens`` new tokens, greedy,
+``ignore_eos`` (every peer generates exactly ``max_tokens`` per prompt). Each engine first runs one
+short warm-up request; a timed run is one call over all prompts. Rounds alternate the peers
+(A B C, A B C, ...) and each round prints its load average, every peer's rate and its ratio to
+warmcap; the best round of each peer is summarised. Outputs are compared token by token with
+warmcap's in every round, and any difference is reported.
+
+vLLM runs in a process of its own with its own virtualenv's interpreter (``vllm_peer.py``;
+``setup_vllm_cpu.sh`` creates ``.venv-vllm``). Its model threads are pinned to ``--threads`` cores
+with ``VLLM_CPU_OMP_THREADS_BIND``: by default vLLM keeps one core for its scheduler process, so
+without the pin the peers would not compute on the same number of model threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -19,19 +32,39 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
+HERE = Path(__file__).resolve().parent
+DEFAULT_PROMPTS = HERE / "data" / "bench_prompts.jsonl"
+DEFAULT_VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 
 
-def load_prompts(path: Path, n: int) -> list[str]:
+def load_prompts(path: Path, n: int, kind: str | None = "general") -> list[str]:
+    """The first ``n`` prompts of ``kind`` (None: of any kind) in the workload file."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["prompt"] for r in rows[:n]]
+    return [r["prompt"] for r in rows if kind is None or r.get("kind") == kind][:n]
+
+
+def prompt_ids(tokenizer, prompts: list[str], *, chat: bool) -> list[list[int]]:
+    """Token ids every peer receives: through the chat template (one user turn) or plain."""
+    if not chat:
+        return [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    out = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids))
+    return out
 
 
 Runner = Callable[[], list[list[int]]]
 
 
 def warmcap_runner(
-    path: Path, ids: list[list[int]], max_tokens: int, *, batch_invariant: bool = False
+    path: Path,
+    ids: list[list[int]],
+    max_tokens: int,
+    *,
+    batch_invariant: bool = False,
+    eager: bool = False,
+    **_: object,
 ) -> Runner:
     from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
@@ -45,13 +78,14 @@ def warmcap_runner(
         max_model_len=longest + 16,
         enable_prefix_caching=False,
         batch_invariant=batch_invariant,
+        enforce_eager=eager,
     )
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return lambda: [o.token_ids for o in llm.generate(ids, params)]
 
 
-def hf_generate_runner(path: Path, ids: list[list[int]], max_tokens: int) -> Runner:
+def hf_generate_runner(path: Path, ids: list[list[int]], max_tokens: int, **_: object) -> Runner:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -75,7 +109,7 @@ def hf_generate_runner(path: Path, ids: list[list[int]], max_tokens: int) -> Run
     return run
 
 
-def hf_paged_runner(path: Path, ids: list[list[int]], max_tokens: int) -> Runner:
+def hf_paged_runner(path: Path, ids: list[list[int]], max_tokens: int, **_: object) -> Runner:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -94,8 +128,74 @@ def hf_paged_runner(path: Path, ids: list[list[int]], max_tokens: int) -> Runner
     return run
 
 
-PEERS: dict[str, Callable[[Path, list[list[int]], int], Runner]] = {
+class VllmPeer:
+    """vLLM in its own process (``vllm_peer.py``), driven one timed run per call."""
+
+    def __init__(
+        self,
+        path: Path,
+        ids: list[list[int]],
+        max_tokens: int,
+        *,
+        eager: bool = False,
+        threads: int = 1,
+        vllm_python: Path = DEFAULT_VLLM_PYTHON,
+        **_: object,
+    ) -> None:
+        if not Path(vllm_python).is_file():
+            sys.exit(
+                f"vLLM's interpreter {str(vllm_python)!r} does not exist: run benchmarks/setup_vllm_cpu.sh "
+                "or pass --vllm-python"
+            )
+        env = dict(os.environ)
+        # NOTE: one core per model thread, pinned; vLLM's scheduler process runs beside them.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads <= 1 else f"0-{threads - 1}"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(
+            [str(vllm_python), str(HERE / "vllm_peer.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        setup = {
+            "model": str(path),
+            "prompt_ids": ids,
+            "max_tokens": max_tokens,
+            "max_model_len": max(len(p) for p in ids) + max_tokens + 16,
+            "enforce_eager": eager,
+        }
+        self._send(json.dumps(setup))
+        self._read("@@READY")
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self, marker: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return line[len(marker) :].strip()
+        sys.exit(f"the vLLM peer exited ({self.proc.wait()}) before {marker}: see its log above")
+
+    def __call__(self) -> list[list[int]]:
+        self._send("run")
+        result = json.loads(self._read("@@RESULT"))
+        # The peer's own timing excludes the pipe; the caller's clock includes it (a few ms).
+        return result["token_ids"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self._send("stop")
+            self.proc.wait(timeout=60)
+
+
+PEERS: dict[str, Callable[..., Runner]] = {
     "warmcap": warmcap_runner,
+    "vllm": VllmPeer,
     # the same engine with fixed-shape GEMM tiles (--batch-invariant): the price of invariance
     "warmcap_batch_invariant": partial(warmcap_runner, batch_invariant=True),
     "hf_generate": hf_generate_runner,
@@ -109,53 +209,90 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--peers", default="warmcap,hf_generate,hf_paged")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="chat template")
+    parser.add_argument("--peers", default="warmcap,vllm,hf_generate")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="no graphs in warmcap, no torch.compile in vLLM")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=Path(os.environ.get("WARMCAP_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON),
+        help="vLLM's interpreter (default: $WARMCAP_VLLM_PYTHON or .venv-vllm/bin/python of this repo)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
-        default=0,
-        help="torch intra-op threads (0: torch's default); 1 is steadier on a busy host",
+        default=1,
+        help="model threads of every peer (torch intra-op threads; vLLM's OMP threads, pinned)",
     )
     args = parser.parse_args()
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     from warmcap.models.loader import load_tokenizer
     from warmcap.models.presets import resolve_model
 
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path)
-    ids = [
-        tokenizer.encode(p, add_special_tokens=False) for p in load_prompts(args.prompts, args.num_prompts)
-    ]
+    ids = prompt_ids(tokenizer, load_prompts(args.prompts, args.num_prompts), chat=args.chat)
     print(
-        f"model {args.model}: {len(ids)} prompts ({sum(map(len, ids))} prompt tokens) x {args.max_tokens} new tokens"
+        f"model {args.model}: {len(ids)} prompts ({sum(map(len, ids))} prompt tokens, "
+        f"chat template {'on' if args.chat else 'off'}) x {args.max_tokens} new tokens, greedy, ignore_eos"
     )
-    print(f"torch threads: {torch.get_num_threads()}")
+    print(
+        f"model threads per peer: {args.threads}; {'eager' if args.eager else 'default (graphs / compile)'}"
+    )
 
-    runners = {name: PEERS[name](path, ids, args.max_tokens) for name in args.peers.split(",")}
-    # Rounds interleave the peers so a burst of load on a shared machine hits all of them; the best
-    # round of each peer is reported.
+    names = args.peers.split(",")
+    extra = {"eager": args.eager, "threads": args.threads, "vllm_python": args.vllm_python}
+    runners = {name: PEERS[name](path, ids, args.max_tokens, **extra) for name in names}
     best: dict[str, float] = {}
     outputs: dict[str, list[list[int]]] = {}
-    for _ in range(args.rounds):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            outputs[name] = run()
-            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+    mismatches: list[str] = []
+    try:
+        # Rounds alternate the peers so a burst of load on a shared machine hits all of them.
+        for r in range(args.rounds):
+            seconds: dict[str, float] = {}
+            for name, run in runners.items():
+                start = time.perf_counter()
+                outputs[name] = run()
+                seconds[name] = time.perf_counter() - start
+                best[name] = min(best.get(name, float("inf")), seconds[name])
+            load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+            line = [f"round {r + 1} (load {load}):"]
+            for name in names:
+                rate = sum(map(len, outputs[name])) / seconds[name]
+                line.append(f"{name} {rate:.1f} tok/s")
+                if name != names[0]:
+                    line.append(f"({names[0]} / {name} {seconds[name] / seconds[names[0]]:.2f}x)")
+                    same = sum(a == b for a, b in zip(outputs[names[0]], outputs[name], strict=True))
+                    if same != len(ids):
+                        mismatches.append(
+                            f"round {r + 1}: {name} differs from {names[0]} in {len(ids) - same}/{len(ids)}"
+                        )
+            print(" ".join(line), flush=True)
+    finally:
+        for run in runners.values():
+            if isinstance(run, VllmPeer):
+                run.close()
+
+    print(f"best of {args.rounds} rounds:")
     rate = {}
-    for name, seconds in best.items():
+    for name, secs in best.items():
         tokens = sum(len(o) for o in outputs[name])
-        rate[name] = tokens / seconds
-        print(f"{name:12s} {tokens:6d} tokens in {seconds:7.2f} s = {rate[name]:8.1f} tokens/s")
-    if "warmcap" in rate:
-        for name in rate:
-            if name != "warmcap":
-                same = sum(a == b for a, b in zip(outputs["warmcap"], outputs[name], strict=True))
-                print(
-                    f"warmcap / {name}: {rate['warmcap'] / rate[name]:.2f}x  (greedy outputs identical: {same}/{len(ids)})"
-                )
+        rate[name] = tokens / secs
+        print(f"  {name:24s} {tokens:6d} tokens in {secs:7.2f} s = {rate[name]:8.1f} tokens/s")
+    first = names[0]
+    for name in names[1:]:
+        same = sum(a == b for a, b in zip(outputs[first], outputs[name], strict=True))
+        print(
+            f"  {first} / {name}: {rate[first] / rate[name]:.2f}x  (token-identical outputs, last round: {same}/{len(ids)})"
+        )
+    if mismatches:
+        print("OUTPUTS ARE NOT TOKEN-IDENTICAL between peers:")
+        for m in mismatches:
+            print(f"  {m}")
+    else:
+        print(f"outputs token-identical between all peers in every round ({len(ids)}/{len(ids)})")
 
 
 if __name__ == "__main__":

@@ -214,3 +214,58 @@ def test_plan_pool_advice_is_a_size_that_works():
     assert want > 6
     assert runner.invoke(app, [*base, "--num-blocks", str(want)]).exit_code == 0
     assert runner.invoke(app, [*base, "--num-blocks", str(want - 1)]).exit_code == 2
+
+
+def test_run_json_stdout_is_only_json_and_progress_stays_off_the_pipe():
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            "--model",
+            "tiny-llama",
+            "--spec",
+            "none",
+            "--max-num-seqs",
+            "1",
+            "--capture-sizes",
+            "1",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["model"] == "tiny-llama" and report["graphs"]
+    # stderr is not a terminal here: no progress frames, no control codes.
+    assert "\x1b[" not in res.stderr and "capture graphs" not in res.stderr
+
+
+def test_quiet_and_verbose_together_are_refused_on_one_line():
+    res = runner.invoke(app, ["run", "--model", "tiny-llama", "--quiet", "--verbose"])
+    assert res.exit_code == 2
+    assert "--quiet and --verbose" in res.output and "Traceback" not in res.output
+
+
+def test_generate_sizes_start_up_from_the_request_and_matches_a_full_sized_engine():
+    """One prompt starts an engine of one sequence and a context of prompt + max_tokens (logged with
+    --verbose); its greedy text equals an engine sized for the model's full context, with graphs or
+    without."""
+    from warmcap.llm import LLM
+    from warmcap.sampling_params import SamplingParams
+
+    prompt = "The capital of France is"
+    args = ["generate", "--model", "tiny-llama", "--prompt", prompt, "--no-chat", "--max-tokens", "12"]
+    res = runner.invoke(app, [*args, "--verbose"])
+    assert res.exit_code == 0, res.output
+    llm = LLM("tiny-llama", max_model_len=512, max_num_seqs=4, enforce_eager=True)
+    ids = llm.tokenizer.encode(prompt)
+    expected = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12))[0].text
+    assert res.stdout.rstrip("\n") == expected
+    wanted = -(-(len(ids) + 12) // 16) * 16
+    assert f"max_model_len {wanted}" in " ".join(res.stderr.split())
+
+    # On CPU the default is eager (the static backend replays eager code); graphs on request.
+    assert "graph_verify done" not in res.stderr
+    graphs = runner.invoke(app, [*args, "--capture-graphs", "--num-blocks", "8", "--quiet"])
+    assert graphs.exit_code == 0, graphs.output
+    assert graphs.stdout.rstrip("\n") == expected
+    assert graphs.stderr == ""

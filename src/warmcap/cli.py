@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import wraps
 from typing import Any
 
@@ -76,6 +77,36 @@ AUDIT_SERVING_HELP = (
 SPEC_HELP = (
     "Speculative decoding: METHOD[:K][@DRAFT] (e.g. eagle3:3, dflash:7, draft_model:3@./draft) or vLLM JSON."
 )
+
+
+QUIET_HELP = "No start-up progress and only errors from the log (stderr)."
+VERBOSE_HELP = "Log each start-up phase (INFO, stderr) besides the progress display."
+
+
+def _quiet_option() -> Any:
+    return typer.Option(False, "--quiet", "-q", help=QUIET_HELP)
+
+
+def _verbose_option() -> Any:
+    return typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP)
+
+
+@contextmanager
+def _watched_startup(*, quiet: bool, verbose: bool) -> Iterator[None]:
+    """Show start-up progress on stderr (terminal only, never with ``quiet``) and route the
+    ``warmcap`` log there; engines started inside report to it. stdout stays the command's own."""
+    from warmcap.progress import StartupProgress, configure_logging, log_level
+    from warmcap.startup_hooks import observing
+
+    _one_of(quiet=quiet, verbose=verbose)
+    configure_logging(err, log_level(quiet=quiet, verbose=verbose))
+    with StartupProgress(err, enabled=not quiet) as progress, observing(progress):
+        yield
+
+
+def _one_of(*, quiet: bool, verbose: bool) -> None:
+    if quiet and verbose:
+        raise WarmcapError("--quiet and --verbose contradict each other: pass at most one")
 
 
 def _engine_config(
@@ -181,33 +212,71 @@ def generate(
     top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: off)."),
     seed: int = typer.Option(None, help="Per-request sampling seed."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
-    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
+    max_model_len: int = typer.Option(
+        None,
+        help="Context limit (default: prompt + max_tokens, rounded up to a block; the model's if that is larger).",
+    ),
+    max_num_seqs: int = typer.Option(1, help="Most requests in one step (sets warmup and the graph sizes)."),
+    num_blocks: int = typer.Option(
+        None, help="KV pool size in blocks, null block included (default: sized from memory)."
+    ),
+    enforce_eager: bool = typer.Option(
+        None,
+        "--enforce-eager/--capture-graphs",
+        help="Capture no graphs, every step eager (default on CPU, where the static graph backend "
+        "replays eager code and capture would only delay the first token); graphs by default on CUDA.",
+    ),
     dtype: str = typer.Option(
         "float32", help="float32, bfloat16, float16 or auto (the checkpoint's dtype on CUDA, float32 on CPU)."
     ),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
+    quiet: bool = _quiet_option(),
+    verbose: bool = _verbose_option(),
 ) -> None:
-    """Generate text, streamed as it comes; with --spec, acceptance stats follow."""
+    """Generate text, streamed as it comes; with --spec, acceptance stats follow.
+
+    Start-up is sized for this one request (one sequence, a context of prompt + max_tokens), so
+    the first token comes soon; raise --max-num-seqs / --max-model-len to size it like a server.
+    """
+    from warmcap.config import SpeculativeConfig
+    from warmcap.engine import resolve_model_path
     from warmcap.llm import LLM
+    from warmcap.models.loader import load_tokenizer
     from warmcap.sampling_params import SamplingParams
     from warmcap.warmup.audit import AuditViolationError
 
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
     )
-    llm = LLM(
-        model,
-        speculative_config=None if spec == "none" else spec,
-        max_model_len=max_model_len,
-        dtype=dtype,
-        batch_invariant=batch_invariant,
-        audit_serving=audit_serving,
-    )
-    use_chat = chat and getattr(llm.tokenizer, "chat_template", None) is not None
+    speculative = SpeculativeConfig.parse(spec)
+    tokenizer = load_tokenizer(resolve_model_path(model))
+    use_chat = chat and getattr(tokenizer, "chat_template", None) is not None
+    prompt_ids = _prompt_ids(tokenizer, prompt, chat=use_chat)
+    if max_model_len is None:
+        lookahead = speculative.num_speculative_tokens if speculative else 0
+        max_model_len = request_context_len(len(prompt_ids), max_tokens, lookahead, block_size=16)
+        max_model_len = _within_model_limit(model, max_model_len)
+    if enforce_eager is None:
+        from warmcap.assembly import resolve_device
+
+        enforce_eager = resolve_device("auto").type != "cuda"
+    with _watched_startup(quiet=quiet, verbose=verbose):
+        llm = LLM(
+            model,
+            speculative_config=None if spec == "none" else spec,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_seqs, min(512, max_model_len)),
+            num_blocks=num_blocks,
+            enforce_eager=enforce_eager,
+            dtype=dtype,
+            batch_invariant=batch_invariant,
+            audit_serving=audit_serving,
+        )
     out = Console()
     try:
-        for delta in llm.generate_stream(prompt, params, use_chat_template=use_chat):
+        for delta in llm.engine.stream(prompt_ids, params):
             out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
     except (NonFiniteLogitsError, AuditViolationError) as exc:
         # Not a usage error: the model (or warmcap, for a stray write) is broken, so exit 1, not 2.
@@ -217,6 +286,38 @@ def generate(
     stats = _spec_stats(llm)
     if stats:
         err.print(stats, highlight=False)
+
+
+def request_context_len(prompt_len: int, max_tokens: int, lookahead: int, *, block_size: int) -> int:
+    """The context one request needs (its prompt, its new tokens, the drafts the last verify step
+    may hold), rounded up to whole KV blocks."""
+    need = prompt_len + max_tokens + lookahead
+    return -(-need // block_size) * block_size
+
+
+def _within_model_limit(model: str, wanted: int) -> int | None:
+    """``wanted``, or None (the model's own limit) when the model states a smaller one: the
+    engine then refuses an overlong request with its usual message."""
+    from warmcap.assembly import model_max_len
+    from warmcap.engine import resolve_model_path
+    from warmcap.models.loader import load_hf_config
+
+    limit = model_max_len(load_hf_config(resolve_model_path(model)))
+    return None if limit is not None and wanted > limit else wanted
+
+
+def _prompt_ids(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
+    """The prompt's token ids, through the chat template when ``chat`` (as ``LLM.chat`` builds them)."""
+    if tokenizer is None:
+        raise WarmcapError("the model folder has no tokenizer: `warmup generate` needs one to read --prompt")
+    if not chat:
+        return list(tokenizer.encode(prompt))
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def _spec_stats(llm) -> str | None:
@@ -263,6 +364,8 @@ def run(
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
+    quiet: bool = _quiet_option(),
+    verbose: bool = _verbose_option(),
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
@@ -295,9 +398,10 @@ def run(
         console.print(
             f"[bold]warmup run[/] {model} spec={spec}: loading, warmup with audit, graph capture ..."
         )
-    result = run_startup(
-        config, backend=backend, capture_sizes=sizes, audit=audit, audit_serving=audit_serving
-    )
+    with _watched_startup(quiet=quiet, verbose=verbose):
+        result = run_startup(
+            config, backend=backend, capture_sizes=sizes, audit=audit, audit_serving=audit_serving
+        )
     report = result.report
     if out:
         Path(out).write_text(report.to_json())
@@ -428,6 +532,8 @@ def serve(
         False, "--enforce-eager", help="Capture no graphs: every step runs eagerly (start-up is faster)."
     ),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
+    quiet: bool = _quiet_option(),
+    verbose: bool = _verbose_option(),
 ) -> None:
     """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
 
@@ -453,6 +559,14 @@ def serve(
     )
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     options = ServeOptions(api_key=api_key, backend=backend, capture_sizes=sizes, audit_serving=audit_serving)
+    # A server logs its start-up phases (INFO; every step with --verbose) instead of drawing them:
+    # its stderr is a log, and start-up runs in the app's own thread.
+    from logging import INFO
+
+    from warmcap.progress import configure_logging, log_level
+
+    _one_of(quiet=quiet, verbose=verbose)
+    configure_logging(err, log_level(quiet=quiet, verbose=verbose, default=INFO), name="warmcap.startup")
     failure = run_server(config, options, host=host, port=port)
     if failure is not None:
         err.print(f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure)}", highlight=False)

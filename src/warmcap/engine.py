@@ -34,7 +34,15 @@ from warmcap.progress import progress_bar
 from warmcap.prompts import PromptType, check_token_ids, encode_text, split_prompt
 from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
 from warmcap.sampling_params import SamplingParams
-from warmcap.startup_hooks import StartupContext, StartupHook, hook_name
+from warmcap.startup_hooks import (
+    StartupContext,
+    StartupEvent,
+    StartupHook,
+    StartupObserver,
+    current_observer,
+    hook_name,
+    notify,
+)
 from warmcap.warmup.hook import warmup_hook
 from warmcap.warmup.serving_audit import ServingAudit
 
@@ -66,7 +74,8 @@ class LLMEngine:
     ``startup_hooks`` (default: a copy of :data:`DEFAULT_STARTUP_HOOKS`) run in order once the
     scheduler and runner exist, before the first request; each gets a
     :class:`~warmcap.startup_hooks.StartupContext` and its result is kept in ``startup_results``
-    under its name (``warmup``, ``graph_capture``).
+    under its name (``warmup``, ``graph_capture``). Start-up phases are reported to ``observer``
+    (default: the one set by :func:`warmcap.startup_hooks.observing`) and logged on ``warmcap``.
 
     ``audit_serving`` records and audits the KV writes of every serving step (invariant I2, as
     warmup is audited); a step that writes outside its blocks raises
@@ -80,11 +89,14 @@ class LLMEngine:
         *,
         startup_hooks: Sequence[StartupHook] | None = None,
         audit_serving: bool = False,
+        observer: StartupObserver | None = None,
     ) -> None:
         from warmcap.models.loader import load_hf_config, load_model, load_tokenizer
         from warmcap.runner_v2.attention.selector import select_backend
 
+        observer = observer or current_observer()
         t_load = time.perf_counter()
+        notify(observer, StartupEvent("load", f"model {config.model.model}"))
         self.device = resolve_device(config.model.device)
         self.model_path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(self.model_path)
@@ -103,6 +115,8 @@ class LLMEngine:
         self.tokenizer = _try_tokenizer(load_tokenizer, self.model_path)
         self.drafter = build_drafter(config, self.model)
         t_kv = time.perf_counter()
+        notify(observer, StartupEvent("load", str(self.model_path), finished=True, seconds=t_kv - t_load))
+        notify(observer, StartupEvent("kv_sizing", "KV groups and pool size"))
         assembly = assemble(
             config, hf_config, self.model, self.drafter, device=self.device, free_bytes=free_bytes
         )
@@ -136,6 +150,15 @@ class LLMEngine:
             "load": t_kv - t_load,
             "kv_sizing": time.perf_counter() - t_kv,
         }
+        notify(
+            observer,
+            StartupEvent(
+                "kv_sizing",
+                f"{self.num_blocks} blocks, max_model_len {config.max_model_len}",
+                finished=True,
+                seconds=self.startup_timings["kv_sizing"],
+            ),
+        )
         self.startup_hooks: list[StartupHook] = list(
             DEFAULT_STARTUP_HOOKS if startup_hooks is None else startup_hooks
         )
@@ -149,6 +172,7 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             kv_cache_manager=self.kv_cache_manager,
             runner=self.runner,
+            observer=observer,
         )
         #: the per-step KV-write audit (None: ``audit_serving`` is off)
         self.serving_audit = (
@@ -157,8 +181,10 @@ class LLMEngine:
         for hook in self.startup_hooks:
             t_hook = time.perf_counter()
             name = hook_name(hook)
+            notify(observer, StartupEvent(name))
             self.startup_results[name] = hook(self.startup_context)
             self.startup_timings[name] = time.perf_counter() - t_hook
+            notify(observer, StartupEvent(name, finished=True, seconds=self.startup_timings[name]))
 
     @property
     def warmup_result(self) -> WarmupResult | None:

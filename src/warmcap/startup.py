@@ -17,6 +17,7 @@ from warmcap.graphs.hook import graph_capture_hook
 from warmcap.graphs.report import CaptureReport, SpecDecodeStats, SpecInfo, WarmupAudit
 from warmcap.models.batch_invariant import is_batch_invariant
 from warmcap.sampling_params import SamplingParams
+from warmcap.startup_hooks import StartupEvent, StartupObserver, current_observer, notify
 from warmcap.warmup.hook import warmup_hook
 
 #: Short, varied prompts: enough to exercise prefill, decode and drafting in a few seconds.
@@ -54,6 +55,7 @@ def run_startup(
     audit_serving: bool = False,
     smoke_tokens: int = 16,
     num_smoke_prompts: int = 2,
+    observer: StartupObserver | None = None,
 ) -> StartupRun:
     """Start an engine with warmup and graph hooks, run a short greedy generation, build the report.
 
@@ -61,24 +63,28 @@ def run_startup(
     the caller refuses (``warmup run`` exits 1, ``warmup serve`` never becomes ready); the smoke
     generation is skipped then, as the cache may be corrupted. ``audit_serving`` audits every step
     the engine runs afterwards, the smoke generation included.
+    Each phase is reported to ``observer`` (default: the one set by ``startup_hooks.observing``).
     """
+    observer = observer or current_observer()
     hooks = [
         partial(warmup_hook, audit=audit, strict=False),
         partial(graph_capture_hook, backend=backend, capture_sizes=capture_sizes),
     ]
-    engine = LLMEngine(config, startup_hooks=hooks, audit_serving=audit_serving)
+    engine = LLMEngine(config, startup_hooks=hooks, audit_serving=audit_serving, observer=observer)
     warm = engine.warmup_result
     graphs = engine.graph_startup
     if warm is None:
         raise RuntimeError("the warmup hook ran but left no result")
 
     t1 = time.perf_counter()
+    notify(observer, StartupEvent("smoke", f"{num_smoke_prompts} prompts x {smoke_tokens} tokens"))
     params = SamplingParams(temperature=0.0, max_tokens=smoke_tokens)
     prompts = list(SMOKE_PROMPTS[:num_smoke_prompts])
     if engine.tokenizer is None:
         prompts = [[1 + i, 2 + i, 3 + i] for i in range(num_smoke_prompts)]
     outputs = engine.generate(prompts, [params] * len(prompts)) if warm.audit.ok else []
     smoke = time.perf_counter() - t1
+    notify(observer, StartupEvent("smoke", finished=True, seconds=smoke))
 
     m = engine.spec_metrics
     spec = engine.config.speculative

@@ -80,3 +80,29 @@ def test_smollm2_converts_loads_and_matches_transformers_greedy(harness_cls):
             out = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)
         assert got == out[0, len(prompt) :].tolist()
     assert "Paris" in tok.decode(generated[0])
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_smollm2_directory_is_plain_hf_with_the_gguf_logits(cache):
+    """Another engine reads config.json: no GGUF quantization_config may remain over fp32 weights,
+    and transformers must read the directory into the same model as the GGUF file itself."""
+    from transformers import AutoModelForCausalLM
+
+    from warmcap.models.presets import smollm2_gguf
+
+    path = resolve_model("smollm2-135m")
+    assert path.name.endswith("-v2")
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+    gguf = smollm2_gguf()
+    source = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+    ).eval()
+    clean = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert getattr(clean.config, "quantization_config", None) is None
+    ids = torch.tensor([load_tokenizer(path)("The capital of France is").input_ids])
+    with torch.no_grad():
+        assert torch.equal(clean(ids).logits, source(ids).logits)

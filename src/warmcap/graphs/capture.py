@@ -148,8 +148,9 @@ class GraphCapturer:
         return self.subject(spec).forward(spec, metas)
 
     @torch.inference_mode()
-    def capture(self) -> CaptureResult:
-        """Eager pass over every shape, then capture largest first (target, then drafter)."""
+    def capture(self, on_graph: Callable[[int, int, str], None] | None = None) -> CaptureResult:
+        """Eager pass over every shape, then capture largest first (target, then drafter);
+        ``on_graph(done, total, label)`` is called after each capture (start-up progress)."""
         result = CaptureResult(
             self.plan, [], notes=[*self.plan.notes, *self.draft_plan.notes], draft_plan=self.draft_plan
         )
@@ -169,6 +170,8 @@ class GraphCapturer:
                     graph.safety = self._cuda_safety(graph)
                 result.graphs.append(graph)
                 result.order.append(("capture", spec.label))
+                if on_graph is not None:
+                    on_graph(len(result.graphs), len(specs), spec.label)
         return result
 
     def _cuda_safety(self, graph: CapturedGraph) -> GraphSafety:

@@ -23,5 +23,10 @@ def graph_capture_hook(
     if ctx.config.model.enforce_eager:
         return None
     return capture_graphs(
-        ctx.runner, ctx.kv_cache_manager, backend=backend, capture_sizes=capture_sizes, verify=verify
+        ctx.runner,
+        ctx.kv_cache_manager,
+        backend=backend,
+        capture_sizes=capture_sizes,
+        verify=verify,
+        report=ctx.report,
     )

@@ -4,6 +4,7 @@ to the model runner, and describe it for the report."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,10 @@ class GraphStartup:
         )
 
 
+def _silent(*args: object, **kwargs: object) -> None:
+    """Progress reporting when nobody listens."""
+
+
 def capture_graphs(
     runner: ModelRunner,
     kv_cache_manager: KVCacheManager,
@@ -101,16 +106,38 @@ def capture_graphs(
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
     verify: bool = True,
+    report: Callable[..., None] | None = None,
 ) -> GraphStartup:
     """Capture the runner's target and drafter graphs, verify each (I4), and attach them for
-    serving (``runner.attach_graphs``)."""
+    serving (``runner.attach_graphs``). ``report`` is
+    :meth:`~warmcap.startup_hooks.StartupContext.report` (start-up progress) or None."""
+    say = report or _silent
     chosen = backend or default_backend(runner)
     capturer = GraphCapturer(runner, chosen, capture_sizes=capture_sizes)
     start = time.perf_counter()
-    result = capturer.capture()
+    say("graph_capture", f"backend {chosen}: eager pass over every shape")
+    result = capturer.capture(
+        on_graph=lambda done, total, label: say("graph_capture", f"captured {label}", done=done, total=total)
+    )
     captured = time.perf_counter()
-    checks = verify_graphs(capturer, result.graphs, kv_cache_manager) if verify else []
+    checks: list[GraphCheck] = []
+    if verify:
+        say("graph_verify", "replay vs eager", done=0, total=len(result.graphs))
+        checks = verify_graphs(
+            capturer,
+            result.graphs,
+            kv_cache_manager,
+            on_check=lambda done, total, check: say(
+                "graph_verify",
+                f"{check.label}: {'verified' if check.verified else 'NOT verified'}",
+                done=done,
+                total=total,
+            ),
+        )
     verified = time.perf_counter()
+    if verify:
+        ok = sum(c.verified for c in checks)
+        say("graph_verify", f"{ok}/{len(checks)} verified", finished=True, seconds=verified - captured)
     graph_runner = GraphRunner(capturer.subjects, result.graphs)
     runner.attach_graphs(graph_runner)
     notes = list(result.notes)

