@@ -10,6 +10,8 @@ from warmcap.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # P/D consumer: holds blocks for its loaded tokens and runs no forward until they have arrived.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token

@@ -189,8 +189,12 @@ class ModelRunner:
         for handler in self.state_handlers:
             handler.forget(gone)
         self.num_steps += 1
+        # NOTE: no KV connector is attached yet, so a load has nothing to copy: the caller put the
+        # KV in place, and the load is reported done at once. The request still runs no forward
+        # in the step its load starts.
+        loaded = set(sched_out.kv_loads)
         if sched_out.is_empty:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(finished_recving=loaded)
         step = self.batch.prepare_inputs(sched_out)
         num_drafts = [len(d) for d in step.draft_token_ids]
         for handler in self.state_handlers:
@@ -217,8 +221,9 @@ class ModelRunner:
             handler.finish_step(step.req_ids, seq_lens, sampled)
         for req_id, tokens in zip(step.req_ids, sampled, strict=True):
             self.batch.append_tokens(req_id, tokens)
-        drafts = self.drafter.propose(self, sched_out, sampled) if self.drafter is not None else {}
+        drafts = self._propose(sched_out, step.req_ids, sampled)
         return ModelRunnerOutput(
+            finished_recving=loaded,
             req_ids=step.req_ids,
             sampled_token_ids=sampled,
             draft_token_ids=drafts,
@@ -226,6 +231,25 @@ class ModelRunner:
                 r: len(d) for r, d in zip(step.req_ids, step.draft_token_ids, strict=True) if d
             },
         )
+
+    def _propose(self, sched_out: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> dict:
+        """The drafter's proposals for the next step; none from a step that reserved no lookahead
+        for its drafter's writes (they would land past the requests' blocks)."""
+        if self.drafter is None:
+            return {}
+        lookahead = self.config.num_lookahead_tokens
+        if lookahead:
+            given = sched_out.num_lookahead_tokens
+            short = [r for r in req_ids if given.get(r, lookahead) < lookahead]
+            if len(short) == len(req_ids):
+                return {}
+            if short:
+                raise RuntimeError(
+                    f"requests {short} reserved less than the drafter's lookahead {lookahead} in a step "
+                    "where others draft: the scheduler must give every request of a drafting step the "
+                    "lookahead of core/step_rules.py"
+                )
+        return self.drafter.propose(self, sched_out, sampled)
 
     def forward_batch(self, num_tokens: int, attn_metadata: dict[str, AttentionMetadata]) -> torch.Tensor:
         """Run the model eagerly on the first ``num_tokens`` tokens of the static buffers: the seam
