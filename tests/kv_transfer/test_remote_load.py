@@ -116,3 +116,47 @@ def test_add_request_refuses_external_tokens_covering_the_whole_prompt() -> None
     with pytest.raises(ConfigError, match=r"num_external_computed_tokens 5 is outside 0\.\.4"):
         engine.add_request({"prompt_token_ids": [3, 4, 5, 6, 7]}, num_external_computed_tokens=5)
     assert not engine.has_unfinished()
+
+
+class _SlowLoads:
+    """A worker connector whose loads finish only when the test says so."""
+
+    def __init__(self) -> None:
+        self.tensors: dict | None = None
+        self.metadata: list[object] = []
+        self.done: set[str] = set()
+        self.saves = 0
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.tensors = kv_caches
+
+    def start_load_kv(self, metadata: object) -> None:
+        self.metadata.append(metadata)
+
+    def wait_for_save(self) -> None:
+        self.saves += 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        done, self.done = self.done, set()
+        return set(), done
+
+
+def test_a_load_in_flight_keeps_the_request_parked_until_the_worker_reports_it() -> None:
+    engine = _consumer("eagle:3")
+    worker = _SlowLoads()
+    engine.runner.attach_kv_connector(worker)
+    assert worker.tensors is engine.runner.kv_caches.tensors
+    engine.add_request(
+        {"prompt_token_ids": list(range(3, 35))},
+        SamplingParams(max_tokens=3),
+        "a",
+        num_external_computed_tokens=31,
+    )
+    for _ in range(3):
+        assert engine.step() == []
+        assert engine.scheduler.requests["a"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    worker.done.add("a")
+    engine.step()  # the report arrives with this step's output
+    outputs = engine.step()  # scheduled from its loaded tokens: the first token comes out
+    assert [o.request_id for o in outputs] == ["a"] and len(outputs[0].outputs[0].token_ids) >= 1
+    assert len(worker.metadata) == 5 and worker.saves == 1

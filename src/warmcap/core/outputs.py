@@ -94,6 +94,8 @@ class ModelRunnerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # Requests whose external KV load (``SchedulerOutput.kv_loads``) has completed.
     finished_recving: set[str] = field(default_factory=set)
+    # Finished requests whose blocks a producer kept until its peer read them, now read.
+    finished_sending: set[str] = field(default_factory=set)
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))

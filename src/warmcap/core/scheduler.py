@@ -27,6 +27,7 @@ from warmcap.errors import CapacityError, ConfigError
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
     from warmcap.core.kv_cache_manager import KVCacheManager
+    from warmcap.core.kv_connector import SchedulerConnector
 
 _FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}
 
@@ -35,9 +36,16 @@ class Scheduler:
     """Decides, step by step, which requests run and how many tokens each computes."""
 
     def __init__(
-        self, config: EngineConfig, kv_cache_manager: KVCacheManager, *, eos_token_id: int | None = None
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        eos_token_id: int | None = None,
+        connector: SchedulerConnector | None = None,
     ) -> None:
         self.config = config
+        #: the KV connector's scheduler side (P/D); None: loads only from ``num_external_computed_tokens``
+        self.connector = connector
         self.kv = kv_cache_manager
         self.eos_token_id = eos_token_id
         self.max_model_len = config.max_model_len
@@ -52,6 +60,8 @@ class Scheduler:
         self.running: list[Request] = []
         #: requests holding blocks while their KV is loaded from outside, by id (no forward yet)
         self.loading: dict[str, Request] = {}
+        #: finished requests whose blocks a producer keeps until its peer has read them, by id
+        self.sending: dict[str, Request] = {}
         self.num_preemptions = 0
         self.spec_counters = SpecDecodeCounters()
         self._finished_ids: set[str] = set()
@@ -138,6 +148,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -196,7 +208,13 @@ class Scheduler:
             else:
                 hit_ids, num_hit = kv.get_computed_blocks(req)
             external = 0
-            if req.num_external_computed_tokens and req.num_preemptions == 0 and not req.num_computed_tokens:
+            fresh = req.num_preemptions == 0 and not req.num_computed_tokens
+            if fresh and self.connector is not None:
+                matched = self.connector.get_num_new_matched_tokens(req, num_hit)
+                # The last prompt token is always computed here: its logits give the first token.
+                external = max(0, min(matched, req.num_tokens - 1 - num_hit))
+                req.num_external_computed_tokens = num_hit + external
+            elif fresh and req.num_external_computed_tokens:
                 # Remote KV covers the prompt from position 0; after a preemption it is gone.
                 external = max(0, min(req.num_external_computed_tokens, req.num_tokens - 1) - num_hit)
             if external:
@@ -266,7 +284,10 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         self.loading[req.request_id] = req
-        out.kv_loads[req.request_id] = KVLoad(self.kv.get_block_ids(req.request_id), num_hit, external)
+        block_ids = self.kv.get_block_ids(req.request_id)
+        out.kv_loads[req.request_id] = KVLoad(block_ids, num_hit, external)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, block_ids, external)
         return True
 
     def _finish_loads(self, req_ids: set[str]) -> None:
@@ -280,6 +301,18 @@ class Scheduler:
             req.num_computed_tokens = max(load_end, req.num_cached_tokens)
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        """Free a finished request's blocks, unless the connector keeps them for a peer to read
+        (then they are freed when the runner reports the read in ``finished_sending``)."""
+        if self.connector is not None:
+            keep, req.kv_transfer_params = self.connector.request_finished(
+                req, self.kv.get_block_ids(req.request_id)
+            )
+            if keep:
+                self.sending[req.request_id] = req
+                return
+        self.kv.free(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
@@ -299,6 +332,10 @@ class Scheduler:
         """Apply a step's sampled tokens and drafts; returns what each request gained."""
         if model_runner_output.finished_recving:
             self._finish_loads(model_runner_output.finished_recving)
+        for req_id in model_runner_output.finished_sending:
+            sent = self.sending.pop(req_id, None)
+            if sent is not None:
+                self.kv.free(sent)
         results: list[RequestStepOutput] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         drafts_out = model_runner_output.draft_token_ids
@@ -349,7 +386,7 @@ class Scheduler:
             done = set(finished)
             self.running = [r for r in self.running if r not in done]
             for req in finished:
-                self.kv.free(req)
+                self._release(req)
                 del self.requests[req.request_id]
                 self._finished_ids.add(req.request_id)
         return results
