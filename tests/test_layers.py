@@ -25,7 +25,9 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     ),
     "contracts": frozenset({"models", "runner_v2", "drafters", "warmup", "graphs", "engine", "cli", "serve"}),
     "models": frozenset({"runner_v2", "drafters", "warmup", "graphs", "engine", "cli", "serve"}),
-    "runner_v2": frozenset({"drafters", "warmup", "graphs", "engine", "cli", "serve"}),
+    "runner_v2": frozenset({"drafters", "warmup", "graphs", "engine", "cli", "serve", "kv_transfer"}),
+    # KV connectors sit above core and runner_v2, which see them only through core/kv_connector.py.
+    "kv_transfer": frozenset({"drafters", "warmup", "graphs", "engine", "cli", "serve"}),
 }
 #: ``core`` may import only these (besides itself and the standard library / third parties).
 CORE_ALLOWED = frozenset({"core", "config", "errors", "sampling_params", "spec_methods"})

@@ -69,6 +69,10 @@ BATCH_INVARIANT_HELP = (
     "Fixed-shape GEMM tiles: a token's output never depends on its batch, so graph replays equal "
     "eager steps bit for bit (slower; Llama-family models)."
 )
+KV_TRANSFER_HELP = (
+    'P/D KV transfer as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}\' '
+    "(roles: kv_producer, kv_consumer, kv_both; sets --kv-role)."
+)
 MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
 AUDIT_SERVING_HELP = (
     "Audit the KV writes of every serving step, as warmup is audited; a step that writes outside its "
@@ -124,8 +128,16 @@ def _engine_config(
     kv_role: str = "none",
     batch_invariant: bool = False,
     enforce_eager: bool = False,
+    kv_transfer_config: str | None = None,
 ):
-    from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from warmcap.config import (
+        CacheConfig,
+        EngineConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
 
     return EngineConfig(
         model=ModelConfig(
@@ -143,6 +155,7 @@ def _engine_config(
         ),
         speculative=SpeculativeConfig.parse(spec),
         kv_role=kv_role,
+        kv_transfer=KVTransferConfig.parse(kv_transfer_config),
     )
 
 
@@ -163,6 +176,7 @@ def plan(
     max_num_batched_tokens: int = typer.Option(512, help="Token budget of one step."),
     mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
     kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
+    kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
     dtype: str = typer.Option("float32", help="float32 or bfloat16 (sets the KV bytes per block)."),
     device: str = typer.Option(
         "auto", help="Device whose free memory sizes the pool: auto, cpu or cuda[:N]."
@@ -186,6 +200,7 @@ def plan(
         max_num_batched_tokens=max_num_batched_tokens,
         mamba_cache_mode=mamba_cache_mode,
         kv_role=kv_role,
+        kv_transfer_config=kv_transfer_config,
         dtype=dtype,
         device=device,
     )
@@ -366,6 +381,7 @@ def run(
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),
+    kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
@@ -389,6 +405,7 @@ def run(
         mamba_cache_mode=mamba_cache_mode,
         dtype=dtype,
         batch_invariant=batch_invariant,
+        kv_transfer_config=kv_transfer_config,
     )
     if out:
         _check_out_path(out)
@@ -526,6 +543,7 @@ def serve(
         None, help="Graph backend: cuda, static or compile (default: cuda on a GPU, else static)."
     ),
     kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
+    kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
     enforce_eager: bool = typer.Option(
@@ -554,6 +572,7 @@ def serve(
         mamba_cache_mode=mamba_cache_mode,
         dtype=dtype,
         kv_role=kv_role,
+        kv_transfer_config=kv_transfer_config,
         batch_invariant=batch_invariant,
         enforce_eager=enforce_eager,
     )

@@ -203,9 +203,15 @@ class LLMEngine:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        num_external_computed_tokens: int = 0,
     ) -> str:
         """Queue one prompt (text, token ids, or a ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
-        dict); returns its request id. Everything is checked before anything is queued."""
+        dict); returns its request id. Everything is checked before anything is queued.
+
+        ``num_external_computed_tokens``: leading prompt tokens whose KV is loaded from outside (a
+        P/D consumer's remote prefill) instead of computed here; the request waits, running no
+        forward, until they have arrived (``core/scheduler.py``)."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ConfigError(
@@ -213,8 +219,13 @@ class LLMEngine:
                 "n requests with their own seeds"
             )
         text, token_ids = self._prepare(prompt)
+        if not 0 <= num_external_computed_tokens < len(token_ids):
+            raise ConfigError(
+                f"num_external_computed_tokens {num_external_computed_tokens} is outside 0..{len(token_ids) - 1}: "
+                "at most every prompt token but the last can be loaded (the last is computed here to sample)"
+            )
         req_id = request_id if request_id is not None else self._next_id()
-        self._enqueue(req_id, text, token_ids, params)
+        self._enqueue(req_id, text, token_ids, params, external=num_external_computed_tokens)
         return req_id
 
     def _next_id(self) -> str:
@@ -228,12 +239,21 @@ class LLMEngine:
         return text, token_ids
 
     def _enqueue(
-        self, req_id: str, text: str | None, token_ids: list[int], params: SamplingParams, index: int = 0
+        self,
+        req_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        *,
+        external: int = 0,
     ) -> None:
         now = time.monotonic()
         if params.min_tokens:
             params = params.with_eos(self.scheduler.eos_token_id)
-        request = Request(req_id, list(token_ids), params, arrival_time=now)
+        request = Request(
+            req_id, list(token_ids), params, arrival_time=now, num_external_computed_tokens=external
+        )
         self.scheduler.add_request(request)
         self._requests[req_id] = _Tracked(
             request,

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from warmcap.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from warmcap.config import (
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from warmcap.engine import LLMEngine, resolve_device, resolve_model_path
 from warmcap.errors import ConfigError
 from warmcap.outputs import RequestOutput
@@ -31,7 +39,7 @@ _KWARG_TARGETS: dict[str, tuple[str, str]] = {
     "max_model_len": ("scheduler", "max_model_len"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
 }
-LLM_KWARGS: tuple[str, ...] = (*_KWARG_TARGETS, "speculative_config", "kv_role")
+LLM_KWARGS: tuple[str, ...] = (*_KWARG_TARGETS, "speculative_config", "kv_role", "kv_transfer_config")
 
 
 def build_config(model: str, **kwargs: Any) -> EngineConfig:
@@ -60,6 +68,7 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
         scheduler=SchedulerConfig(**parts["scheduler"]),
         speculative=SpeculativeConfig.parse(kwargs.get("speculative_config")),
         kv_role=kwargs.get("kv_role", "none"),
+        kv_transfer=KVTransferConfig.parse(kwargs.get("kv_transfer_config")),
     )
 
 

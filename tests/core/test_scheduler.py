@@ -200,20 +200,60 @@ def test_prefix_hits_skip_computed_tokens():
     assert sched.requests["b"].num_cached_tokens == 8
 
 
-def test_pd_consumer_loads_remote_kv_without_lookahead_then_speculates():
+def test_pd_consumer_waits_for_its_remote_kv_then_speculates():
     sched = make_scheduler(spec="eagle:2", kv_role="consumer")
     req = make_request("a", list(range(30)))
     req.num_external_computed_tokens = 29
     sched.add_request(req)
+    # The load starts: blocks for the loaded tokens, no lookahead, and no forward.
+    out, _ = step(sched, {"a": [5]})
+    assert out.num_scheduled_tokens == {} and out.scheduled_new_reqs == []
+    load = out.kv_loads["a"]
+    assert (load.num_local_tokens, load.num_external_tokens, load.block_ids) == (0, 29, {"full": [1, 2]})
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and sched.has_unfinished_requests()
+    # Until the runner reports the load done, the request stays parked.
+    out, _ = step(sched, {})
+    assert out.num_scheduled_tokens == {} and out.kv_loads == {}
+    sched.update_from_output(SchedulerOutput(), ModelRunnerOutput(finished_recving={"a"}))
+    # Arrived: scheduled from its loaded tokens with the full lookahead, and it drafts.
     out, _ = step(sched, {"a": [5]}, drafts={"a": [6, 7]})
     (new,) = out.scheduled_new_reqs
-    assert (new.num_computed_tokens, out.num_scheduled_tokens, out.num_lookahead_tokens) == (
+    assert (new.num_computed_tokens, new.block_ids, out.num_scheduled_tokens, out.num_lookahead_tokens) == (
         29,
+        {"full": [1, 2]},
         {"a": 1},
-        {"a": 0},
+        {"a": 2},
     )
     out, _ = step(sched, {"a": [6]})
     assert out.num_lookahead_tokens == {"a": 2} and out.num_scheduled_tokens == {"a": 3}
+
+
+def test_pd_consumer_abort_while_loading_frees_its_blocks():
+    sched = make_scheduler(spec="eagle:2", kv_role="consumer")
+    req = make_request("a", list(range(30)))
+    req.num_external_computed_tokens = 29
+    sched.add_request(req)
+    free = sched.kv.pool.num_free_blocks
+    step(sched, {})
+    assert sched.kv.pool.num_free_blocks == free - 2
+    assert sched.abort_request("a")
+    assert sched.kv.pool.num_free_blocks == free and not sched.has_unfinished_requests()
+    # A late completion report for the aborted request changes nothing.
+    sched.update_from_output(SchedulerOutput(), ModelRunnerOutput(finished_recving={"a"}))
+    assert not sched.has_unfinished_requests()
+
+
+def test_blocks_still_loading_are_not_prefix_hits():
+    sched = make_scheduler(kv_role="consumer", block_size=4)
+    req = make_request("a", list(range(12)))
+    req.num_external_computed_tokens = 11
+    sched.add_request(req)
+    step(sched, {})
+    # Same prompt while the first one's KV is still in flight: nothing may be read from those blocks.
+    sched.add_request(make_request("b", list(range(12))))
+    out, _ = step(sched, {"b": [1]})
+    (new,) = out.scheduled_new_reqs
+    assert (new.req_id, new.num_computed_tokens) == ("b", 0)
 
 
 def test_producer_reserves_no_lookahead():

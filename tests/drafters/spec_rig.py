@@ -69,11 +69,21 @@ class SpecRig:
         self.scheduler = self.engine.scheduler
         self.runner = self.engine.runner
         if self.lookahead_override is not None:
-            # Test-only seam: reserve as if the drafter wrote this far ahead.
-            self.scheduler.num_lookahead_tokens = self.lookahead_override
+            self._reserve_short(self.lookahead_override)
         self.scope.enter_context(self.runner.recording_kv_writes(self.record))
         if self.drafter is not None:
             self._spy()
+
+    def _reserve_short(self, lookahead: int) -> None:
+        """Test-only seam: the KV cache manager reserves as if the drafter wrote only ``lookahead``
+        ahead, while each step still tells the runner the config's lookahead, so the drafter runs."""
+        allocate = self.manager.allocate_slots
+
+        def allocate_short(request, num_new_tokens, **kwargs):
+            kwargs["num_lookahead_tokens"] = lookahead
+            return allocate(request, num_new_tokens, **kwargs)
+
+        self.manager.allocate_slots = allocate_short
 
     def _spy(self) -> None:
         """Record each proposal with the request's tokens at the time it was made."""

@@ -197,9 +197,14 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         num_encoder_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> dict[str, list[int]] | None:
         """Grow the request's blocks to the rule's count; returns the ids appended per group,
-        or None when the pool is short, in which case nothing changed."""
+        or None when the pool is short, in which case nothing changed.
+
+        ``delay_cache_blocks``: the blocks' KV is still being loaded from outside, so none of them
+        may enter the prefix cache yet; they are cached by the request's first call after the load.
+        """
         # NOTE: this runs for every running request every step. The common case, a step that
         # needs no new block, must stay free of per-group work: keep slow paths in helpers.
         req_id = request.request_id
@@ -226,7 +231,7 @@ class KVCacheManager:
             new_ids = {}
             for name in self._group_names:
                 new_ids[name] = []
-        if num_tokens >= state.cache_at and self.enable_caching:
+        if num_tokens >= state.cache_at and self.enable_caching and not delay_cache_blocks:
             # Only blocks full of the request's own tokens whose KV is written by the end of this
             # step: never the lookahead region, never draft tokens (not in the request's tokens).
             num_real = len(request.prompt_token_ids) + len(request.output_token_ids)

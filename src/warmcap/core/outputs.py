@@ -34,6 +34,20 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+@dataclass(slots=True, frozen=True)
+class KVLoad:
+    """A request whose leading tokens' KV is loaded from outside, starting this step.
+
+    The request runs no forward until the runner reports it in ``ModelRunnerOutput.finished_recving``.
+    ``block_ids`` are the request's blocks (all groups); ``num_local_tokens`` leading tokens are
+    already here (prefix-cache hits), the next ``num_external_tokens`` are loaded.
+    """
+
+    block_ids: BlockIds
+    num_local_tokens: int
+    num_external_tokens: int
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step: which requests run, how many tokens each, which drafts to verify."""
@@ -47,6 +61,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Lookahead the drafter may write this step, per request (0 on a P/D consumer's loading step).
     num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> KV loads starting this step (P/D consumer); these requests are not scheduled.
+    kv_loads: dict[str, KVLoad] = field(default_factory=dict)
+    # What a KV connector's worker side needs this step, built by its scheduler side (opaque here).
+    kv_connector_metadata: object | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -74,6 +92,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests whose external KV load (``SchedulerOutput.kv_loads``) has completed.
+    finished_recving: set[str] = field(default_factory=set)
+    # Finished requests whose blocks a producer kept until its peer read them, now read.
+    finished_sending: set[str] = field(default_factory=set)
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))

@@ -10,6 +10,8 @@ from warmcap.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # P/D consumer: holds blocks for its loaded tokens and runs no forward until they have arrived.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
@@ -36,6 +38,8 @@ class Request:
     arrival_time: float = 0.0
     # P/D consumer: tokens whose KV arrives from a remote prefill instead of being computed here.
     num_external_computed_tokens: int = 0
+    # P/D: what a connector hands back for this request (a producer's block ids, engine id, ...).
+    kv_transfer_params: dict | None = None
     num_encoder_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)

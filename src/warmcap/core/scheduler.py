@@ -1,6 +1,11 @@
 """Continuous-batching scheduler with chunked prefill, prefix caching, speculative decoding and
 recompute preemption.
 
+A P/D consumer's request whose leading prompt tokens' KV is loaded from outside
+(``num_external_computed_tokens``) first gets blocks for them and waits, with no forward, in
+``WAITING_FOR_REMOTE_KVS`` until the runner reports the load done; then it is scheduled like any
+request from its loaded tokens, with the normal lookahead (``core/step_rules.py``).
+
 Each step: running requests first (decodes, verify steps and unfinished prompts, oldest first),
 then waiting requests in arrival order while the token budget, the sequence limit and the pool
 allow. ``num_computed_tokens`` advances when a step is scheduled and rolls back by the rejected
@@ -13,7 +18,7 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from warmcap.core.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from warmcap.core.outputs import CachedRequestData, KVLoad, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from warmcap.core.request import Request, RequestStatus
 from warmcap.core.scheduler_stats import RequestStepOutput, SchedulerStats, SpecDecodeCounters
 from warmcap.core.step_rules import computed_after_verify, step_lookahead
@@ -22,6 +27,7 @@ from warmcap.errors import CapacityError, ConfigError
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
     from warmcap.core.kv_cache_manager import KVCacheManager
+    from warmcap.core.kv_connector import SchedulerConnector
 
 _FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}
 
@@ -30,9 +36,16 @@ class Scheduler:
     """Decides, step by step, which requests run and how many tokens each computes."""
 
     def __init__(
-        self, config: EngineConfig, kv_cache_manager: KVCacheManager, *, eos_token_id: int | None = None
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        eos_token_id: int | None = None,
+        connector: SchedulerConnector | None = None,
     ) -> None:
         self.config = config
+        #: the KV connector's scheduler side (P/D); None: loads only from ``num_external_computed_tokens``
+        self.connector = connector
         self.kv = kv_cache_manager
         self.eos_token_id = eos_token_id
         self.max_model_len = config.max_model_len
@@ -45,6 +58,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: requests holding blocks while their KV is loaded from outside, by id (no forward yet)
+        self.loading: dict[str, Request] = {}
+        #: finished requests whose blocks a producer keeps until its peer has read them, by id
+        self.sending: dict[str, Request] = {}
         self.num_preemptions = 0
         self.spec_counters = SpecDecodeCounters()
         self._finished_ids: set[str] = set()
@@ -96,6 +113,10 @@ class Scheduler:
             return False
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # NOTE: with a KV connector, a load in flight may still write these blocks; the
+            # connector must stop it before they are handed out again.
+            del self.loading[request_id]
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
@@ -104,15 +125,15 @@ class Scheduler:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.loading),
             num_preemptions=self.num_preemptions,
             spec_decode=replace(self.spec_counters),
             kv_cache=self.kv.stats,
@@ -127,6 +148,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -178,26 +201,40 @@ class Scheduler:
         kv = self.kv
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit_ids, num_hit = kv.get_computed_blocks(req)
+            if req.num_computed_tokens:
+                # NOTE: only a request whose external load has arrived waits with computed tokens
+                # (a preempted one is reset to 0); it already holds its blocks.
+                hit_ids, num_hit = {}, 0
+            else:
+                hit_ids, num_hit = kv.get_computed_blocks(req)
             external = 0
-            if req.num_external_computed_tokens and req.num_preemptions == 0:
+            fresh = req.num_preemptions == 0 and not req.num_computed_tokens
+            if fresh and self.connector is not None:
+                matched = self.connector.get_num_new_matched_tokens(req, num_hit)
+                # The last prompt token is always computed here: its logits give the first token.
+                external = max(0, min(matched, req.num_tokens - 1 - num_hit))
+                req.num_external_computed_tokens = num_hit + external
+            elif fresh and req.num_external_computed_tokens:
                 # Remote KV covers the prompt from position 0; after a preemption it is gone.
                 external = max(0, min(req.num_external_computed_tokens, req.num_tokens - 1) - num_hit)
-            num_new = req.num_tokens - num_hit - external
+            if external:
+                if not self._start_load(req, out, hit_ids, num_hit, external):
+                    return
+                continue
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit
             if num_new > budget:
                 # NOTE: without chunking a prompt waits for a step with room; a resumed request longer
                 # than the whole budget is still recomputed in chunks, or it could never run again.
                 if not self.chunked_prefill and num_new <= self.max_num_batched_tokens:
                     return
                 num_new = budget
-            lookahead = step_lookahead(self.config, num_external_tokens=external)
+            lookahead = self.num_lookahead_tokens
             new_ids = kv.allocate_slots(
                 req,
                 num_new,
                 num_new_computed_tokens=num_hit,
                 new_computed_blocks=hit_ids,
                 num_lookahead_tokens=lookahead,
-                num_external_computed_tokens=external,
                 num_encoder_tokens=req.num_encoder_tokens,
             )
             if new_ids is None:
@@ -208,7 +245,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req_id = req.request_id
-            computed = num_hit + external
+            computed = req.num_computed_tokens + num_hit
             out.scheduled_new_reqs.append(
                 NewRequestData(
                     req_id=req_id,
@@ -223,6 +260,59 @@ class Scheduler:
             out.num_lookahead_tokens[req_id] = lookahead
             req.num_computed_tokens = computed + num_new
             budget -= num_new
+
+    def _start_load(
+        self, req: Request, out: SchedulerOutput, hit_ids: dict[str, list[int]], num_hit: int, external: int
+    ) -> bool:
+        """Give ``req`` blocks for its prefix hits and its ``external`` loaded tokens and park it
+        until the load is done; False (nothing changed) when the pool is short."""
+        # No forward runs for the request this step, so it drafts nothing and reserves no lookahead.
+        new_ids = self.kv.allocate_slots(
+            req,
+            0,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit_ids,
+            num_lookahead_tokens=step_lookahead(self.config, num_external_tokens=external),
+            num_external_computed_tokens=external,
+            num_encoder_tokens=req.num_encoder_tokens,
+            delay_cache_blocks=True,
+        )
+        if new_ids is None:
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        self.loading[req.request_id] = req
+        block_ids = self.kv.get_block_ids(req.request_id)
+        out.kv_loads[req.request_id] = KVLoad(block_ids, num_hit, external)
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, block_ids, external)
+        return True
+
+    def _finish_loads(self, req_ids: set[str]) -> None:
+        """Requests whose external KV has arrived wait again, at the front: they already hold
+        their blocks, and their next step computes the tokens after the loaded ones."""
+        for req_id in req_ids:
+            req = self.loading.pop(req_id, None)
+            if req is None:
+                continue  # aborted while it loaded
+            load_end = min(req.num_external_computed_tokens, req.num_tokens - 1)
+            req.num_computed_tokens = max(load_end, req.num_cached_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        """Free a finished request's blocks, unless the connector keeps them for a peer to read
+        (then they are freed when the runner reports the read in ``finished_sending``)."""
+        if self.connector is not None:
+            keep, req.kv_transfer_params = self.connector.request_finished(
+                req, self.kv.get_block_ids(req.request_id)
+            )
+            if keep:
+                self.sending[req.request_id] = req
+                return
+        self.kv.free(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
@@ -240,6 +330,12 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[RequestStepOutput]:
         """Apply a step's sampled tokens and drafts; returns what each request gained."""
+        if model_runner_output.finished_recving:
+            self._finish_loads(model_runner_output.finished_recving)
+        for req_id in model_runner_output.finished_sending:
+            sent = self.sending.pop(req_id, None)
+            if sent is not None:
+                self.kv.free(sent)
         results: list[RequestStepOutput] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         drafts_out = model_runner_output.draft_token_ids
@@ -290,7 +386,7 @@ class Scheduler:
             done = set(finished)
             self.running = [r for r in self.running if r not in done]
             for req in finished:
-                self.kv.free(req)
+                self._release(req)
                 del self.requests[req.request_id]
                 self._finished_ids.add(req.request_id)
         return results

@@ -3,8 +3,8 @@ planner's simulator (``warmup/planner.py``), so a plan holds exactly what servin
 
 - **Lookahead**: the KV slots reserved past a request's scheduled tokens for the drafter's writes.
   Without speculation, and on a P/D producer, there is none (``EngineConfig.num_lookahead_tokens``
-  is 0). A request whose KV is loaded from outside in this step drafts nothing in it, so it reserves
-  none. Every locally computed request — a consumer's own warmup requests included — reserves the
+  is 0). A request whose KV is loaded from outside runs no forward in the step its load starts
+  (``core/scheduler.py`` parks it until the load is done), so that step reserves none. Every locally computed request — a consumer's own warmup requests included — reserves the
   config's full lookahead, because its drafter runs and writes past the scheduled tokens.
 - **Draft rollback**: after verification a request keeps its accepted drafts and drops the rejected
   ones from its computed count; it keeps every block it holds (the next step writes over the

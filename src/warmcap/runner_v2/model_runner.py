@@ -17,6 +17,7 @@ import torch
 from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
 from warmcap.contracts.state_handler import StateHandler
+from warmcap.core.kv_connector import WorkerConnector
 from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.reservation import max_blocks_per_request
@@ -128,6 +129,8 @@ class ModelRunner:
             else None
         )
         self.graphs: GraphDispatcher | None = None
+        #: the KV connector's worker side (P/D), set once by :meth:`attach_kv_connector`
+        self.kv_connector: WorkerConnector | None = None
         self.kv_write_log = KVWriteLog()
         self.logits_hook: LogitsHook | None = None
         # req_id -> [k, V] probabilities of the drafts a drafter just proposed (consumed by the next
@@ -149,6 +152,11 @@ class ModelRunner:
     def attach_graphs(self, graphs: GraphDispatcher | None) -> None:
         """Serve through ``graphs`` from now on (None: run every pass eagerly again)."""
         self.graphs = graphs
+
+    def attach_kv_connector(self, connector: WorkerConnector) -> None:
+        """Load and save KV through ``connector`` from now on; it is given the KV tensors now."""
+        connector.register_kv_caches(self.kv_caches.tensors)
+        self.kv_connector = connector
 
     @contextmanager
     def recording_kv_writes(self, on: bool = True) -> Iterator[KVWriteLog]:
@@ -189,8 +197,11 @@ class ModelRunner:
         for handler in self.state_handlers:
             handler.forget(gone)
         self.num_steps += 1
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(sched_out.kv_connector_metadata)
         if sched_out.is_empty:
-            return ModelRunnerOutput()
+            return self._transfer_report(sched_out, ModelRunnerOutput())
         step = self.batch.prepare_inputs(sched_out)
         num_drafts = [len(d) for d in step.draft_token_ids]
         for handler in self.state_handlers:
@@ -217,8 +228,10 @@ class ModelRunner:
             handler.finish_step(step.req_ids, seq_lens, sampled)
         for req_id, tokens in zip(step.req_ids, sampled, strict=True):
             self.batch.append_tokens(req_id, tokens)
-        drafts = self.drafter.propose(self, sched_out, sampled) if self.drafter is not None else {}
-        return ModelRunnerOutput(
+        drafts = self._propose(sched_out, step.req_ids, sampled)
+        if connector is not None:
+            connector.wait_for_save()
+        output = ModelRunnerOutput(
             req_ids=step.req_ids,
             sampled_token_ids=sampled,
             draft_token_ids=drafts,
@@ -226,6 +239,37 @@ class ModelRunner:
                 r: len(d) for r, d in zip(step.req_ids, step.draft_token_ids, strict=True) if d
             },
         )
+        return self._transfer_report(sched_out, output)
+
+    def _transfer_report(self, sched_out: SchedulerOutput, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """``output`` with the KV transfers that finished: the connector's report, or, with no
+        connector, every load of this step (nothing to copy: the caller put the KV in place)."""
+        if self.kv_connector is None:
+            output.finished_recving = set(sched_out.kv_loads)
+        else:
+            output.finished_sending, output.finished_recving = self.kv_connector.get_finished(
+                sched_out.finished_req_ids
+            )
+        return output
+
+    def _propose(self, sched_out: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> dict:
+        """The drafter's proposals for the next step; none from a step that reserved no lookahead
+        for its drafter's writes (they would land past the requests' blocks)."""
+        if self.drafter is None:
+            return {}
+        lookahead = self.config.num_lookahead_tokens
+        if lookahead:
+            given = sched_out.num_lookahead_tokens
+            short = [r for r in req_ids if given.get(r, lookahead) < lookahead]
+            if len(short) == len(req_ids):
+                return {}
+            if short:
+                raise RuntimeError(
+                    f"requests {short} reserved less than the drafter's lookahead {lookahead} in a step "
+                    "where others draft: the scheduler must give every request of a drafting step the "
+                    "lookahead of core/step_rules.py"
+                )
+        return self.drafter.propose(self, sched_out, sampled)
 
     def forward_batch(self, num_tokens: int, attn_metadata: dict[str, AttentionMetadata]) -> torch.Tensor:
         """Run the model eagerly on the first ``num_tokens`` tokens of the static buffers: the seam

@@ -114,7 +114,9 @@ class _Simulator:
             else:
                 out.scheduled_cached_reqs.append(CachedRequestData(req.request_id, new_ids, c))
             out.num_scheduled_tokens[req.request_id] = e.num_new_tokens
-            out.num_lookahead_tokens[req.request_id] = lookahead
+            # What the drafter writes past the tokens, whatever was reserved (a broken test plan
+            # reserves less; the runner drafts nothing only in a step declared without lookahead).
+            out.num_lookahead_tokens[req.request_id] = step_lookahead(self.config)
             if e.num_spec:
                 out.scheduled_spec_decode_tokens[req.request_id] = [1 + (i % 89) for i in range(e.num_spec)]
         step = WarmupStep(name, kind, reason, out, planned)
