@@ -21,10 +21,26 @@ PACKAGE = SRC / "warmcap"
 #: For each package: the top-level names of ``warmcap`` it must never import.
 FORBIDDEN: dict[str, frozenset[str]] = {
     "core": frozenset(
-        {"contracts", "models", "runner_v2", "drafters", "warmup", "graphs", "engine", "cli", "serve"}
+        {
+            "contracts",
+            "models",
+            "runner_v2",
+            "drafters",
+            "warmup",
+            "graphs",
+            "engine",
+            "cli",
+            "serve",
+            "distributed",
+        }
     ),
-    "contracts": frozenset({"models", "runner_v2", "drafters", "warmup", "graphs", "engine", "cli", "serve"}),
-    "models": frozenset({"runner_v2", "drafters", "warmup", "graphs", "engine", "cli", "serve"}),
+    "contracts": frozenset(
+        {"models", "runner_v2", "drafters", "warmup", "graphs", "engine", "cli", "serve", "distributed"}
+    ),
+    # Models read the tensor-parallel facts from contracts.parallel, never the package that starts ranks.
+    "models": frozenset(
+        {"runner_v2", "drafters", "warmup", "graphs", "engine", "cli", "serve", "distributed"}
+    ),
     "runner_v2": frozenset({"drafters", "warmup", "graphs", "engine", "cli", "serve"}),
 }
 #: ``core`` may import only these (besides itself and the standard library / third parties).
