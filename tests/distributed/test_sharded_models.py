@@ -123,3 +123,24 @@ def test_unsharded_families_are_refused_under_tp(arch):
         set_parallel_state(None)
     assert not parallel_state().is_parallel
     check_tensor_parallel(model_class(arch))
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1():
+    """SmolLM2-135M has 9 query and 3 KV heads: TP=2 cannot split them, TP=3 holds one KV head per rank."""
+    model_dir = str(resolve_model("smollm2-135m"))
+    prompts, steps = PROMPTS[:2], 4
+    reference = greedy_logits(model_dir, prompts, steps)
+    ranks = run_on_ranks(greedy_on_rank, rendezvous_for(3), model_dir, prompts, steps, timeout_s=300)
+    for rank, out in enumerate(ranks):
+        assert out["tokens"] == reference["tokens"], f"rank {rank} generated other tokens than TP=1"
+        torch.testing.assert_close(out["logits"], reference["logits"], atol=1e-4, rtol=0)
+        assert out["kv_heads"] == [1]
+
+
+def test_smollm2_heads_do_not_split_over_two_ranks():
+    with pytest.raises(
+        ConfigError, match="num_attention_heads = 9 does not divide by tensor_parallel_size = 2"
+    ):
+        head_split(9, 3, ParallelState(1, 2))
