@@ -9,12 +9,14 @@ checkpoint uses (``self_attn``/``mamba``, ``mlp``/``feed_forward``, ``norm``/``f
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from warmcap.models.layers import RMSNorm
+from warmcap.contracts.parallel import parallel_state
+from warmcap.errors import ModelLoadError
+from warmcap.models.layers import RMSNorm, lm_head, vocab_embedding
 
 if TYPE_CHECKING:
     from warmcap.contracts.forward_context import ForwardContext
@@ -94,7 +96,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, hf_config: Any, layers: Iterable[nn.Module], *, norm_name: str = "norm") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = vocab_embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self._norm_name = norm_name
         self.add_module(norm_name, RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps))
@@ -113,16 +115,24 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """A causal LM over a :class:`DecoderModel`: RoPE from ``rotary``, an LM head tied to the
-    embedding when the config says so, parameters cast to ``dtype``."""
+    embedding when the config says so, parameters cast to ``dtype``.
+
+    ``supports_tensor_parallel``: whether the family's layers shard themselves by
+    :func:`~warmcap.contracts.parallel.parallel_state`; a family that does not is refused under
+    tensor parallelism (:func:`check_tensor_parallel`).
+    """
+
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(
         self, hf_config: Any, model: DecoderModel, rotary: RotaryEmbedding, *, dtype: torch.dtype
     ) -> None:
         super().__init__()
+        check_tensor_parallel(type(self))
         self.hf_config = hf_config
         self.dtype = dtype
         self.model = model
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = lm_head(hf_config.hidden_size, hf_config.vocab_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.tie_weights()
         self.rotary = rotary
@@ -158,3 +168,14 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+
+def check_tensor_parallel(cls: type[nn.Module]) -> None:
+    """ModelLoadError when tensor parallelism is on and ``cls`` cannot be sharded."""
+    state = parallel_state()
+    if state.is_parallel and not getattr(cls, "supports_tensor_parallel", False):
+        raise ModelLoadError(
+            f"{cls.__name__} does not support tensor parallelism yet (MLA, MoE and Mamba layers are "
+            f"not sharded); got tensor_parallel_size = {state.world_size}: run it with "
+            "tensor_parallel_size = 1"
+        )

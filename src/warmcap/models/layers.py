@@ -1,13 +1,26 @@
-"""Building blocks shared by the decoder models: RMSNorm, gated MLP, activations."""
+"""Building blocks shared by the decoder models: RMSNorm, gated MLP, activations, and the
+tensor-parallel linears and embedding.
+
+Tensor parallelism (:mod:`warmcap.contracts.parallel`): a column-parallel linear holds a contiguous
+slice of the output features (no communication); a row-parallel linear holds the matching slice of
+the input features and sums its partial products over the ranks; the vocab-parallel embedding holds
+a slice of the vocabulary rows and sums the (one non-zero) lookups; the parallel LM head computes its
+vocabulary slice's logits and gathers them. Each parallel module records, per parameter, which
+slice of the checkpoint tensor it holds (:class:`Shard`), so the loader reads only that slice.
+On one rank the factories return plain ``nn.Linear`` / ``nn.Embedding``: single-device models are
+exactly what they were.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmcap.contracts.parallel import all_gather_last_dim, all_reduce_sum, parallel_state, split_evenly
 from warmcap.errors import ModelLoadError
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -46,10 +59,118 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        # Tensor parallel: gate/up split their outputs, down its inputs (one all-reduce per MLP).
+        start, size = split_evenly(intermediate, "intermediate_size")
+        self.gate_proj = column_linear(hidden, intermediate, start, size, bias=bias)
+        self.up_proj = column_linear(hidden, intermediate, start, size, bias=bias)
+        self.down_proj = row_linear(intermediate, hidden, start, size, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The slice ``[start, start + size)`` along ``dim`` of a checkpoint tensor that one rank holds."""
+
+    dim: int
+    start: int
+    size: int
+
+
+class ColumnParallelLinear(nn.Linear):
+    """``nn.Linear`` holding output features ``[start, start + size)`` of an ``in -> out`` layer.
+
+    Its output is this rank's slice; nothing is communicated.
+    """
+
+    def __init__(self, in_features: int, start: int, size: int, *, bias: bool) -> None:
+        super().__init__(in_features, size, bias=bias)
+        self.shards = {"weight": Shard(0, start, size)}
+        if bias:
+            self.shards["bias"] = Shard(0, start, size)
+
+
+class RowParallelLinear(nn.Linear):
+    """``nn.Linear`` holding input features ``[start, start + size)`` of an ``in -> out`` layer; its
+    partial products are summed over the ranks, then the (replicated) bias is added once."""
+
+    def __init__(self, out_features: int, start: int, size: int, *, bias: bool) -> None:
+        super().__init__(size, out_features, bias=bias)
+        self.shards = {"weight": Shard(1, start, size)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: the bias must be added after the sum, or it would be counted world_size times.
+        y = all_reduce_sum(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """``nn.Embedding`` holding vocabulary rows ``[start, start + size)``: ids outside the slice look
+    up zeros here and their row on the rank that holds it; the sum over ranks is the full lookup
+    (exact: every position gets one non-zero term)."""
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        start, size = split_evenly(vocab_size, "vocab_size")
+        super().__init__(size, hidden)
+        self.vocab_start = start
+        self.shards = {"weight": Shard(0, start, size)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce_sum(h.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """The LM head split by vocabulary rows (the same rows as :class:`VocabParallelEmbedding`, so a
+    tied head shares its shard); every rank gets the gathered full-vocabulary logits."""
+
+    def __init__(self, hidden: int, vocab_size: int) -> None:
+        start, size = split_evenly(vocab_size, "vocab_size")
+        super().__init__(hidden, start, size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(F.linear(x, self.weight))
+
+
+def column_linear(in_features: int, out_features: int, start: int, size: int, *, bias: bool) -> nn.Linear:
+    """A plain ``nn.Linear`` on one rank, else a :class:`ColumnParallelLinear` holding output
+    features ``[start, start + size)``."""
+    if not parallel_state().is_parallel:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return ColumnParallelLinear(in_features, start, size, bias=bias)
+
+
+def row_linear(in_features: int, out_features: int, start: int, size: int, *, bias: bool) -> nn.Linear:
+    """A plain ``nn.Linear`` on one rank, else a :class:`RowParallelLinear` holding input features
+    ``[start, start + size)``."""
+    if not parallel_state().is_parallel:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(out_features, start, size, bias=bias)
+
+
+def vocab_embedding(vocab_size: int, hidden: int) -> nn.Embedding:
+    """A plain ``nn.Embedding`` on one rank, else a :class:`VocabParallelEmbedding`."""
+    if not parallel_state().is_parallel:
+        return nn.Embedding(vocab_size, hidden)
+    return VocabParallelEmbedding(vocab_size, hidden)
+
+
+def lm_head(hidden: int, vocab_size: int) -> nn.Linear:
+    """A plain bias-free ``nn.Linear`` on one rank, else a :class:`ParallelLMHead`."""
+    if not parallel_state().is_parallel:
+        return nn.Linear(hidden, vocab_size, bias=False)
+    return ParallelLMHead(hidden, vocab_size)
+
+
+def checkpoint_shards(model: nn.Module) -> dict[str, Shard]:
+    """Parameter name -> the slice of its checkpoint tensor this rank holds, for every sharded
+    parameter of ``model`` (names as ``named_parameters(remove_duplicate=False)`` gives them)."""
+    out: dict[str, Shard] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for pname, shard in getattr(module, "shards", {}).items():
+            out[f"{prefix}.{pname}" if prefix else pname] = shard
+    return out

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from warmcap.contracts.forward_context import ForwardContext
+from warmcap.contracts.parallel import ParallelState, parallel_state, split_evenly
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
-from warmcap.errors import ModelLoadError
+from warmcap.errors import ConfigError, ModelLoadError
 from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
-from warmcap.models.layers import GatedMLP, RMSNorm
+from warmcap.models.layers import GatedMLP, RMSNorm, column_linear, row_linear
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 #: checkpoint entries that carry no weights of ours (recomputed buffers)
@@ -53,22 +54,60 @@ def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
     return window or None
 
 
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """Which attention heads one tensor-parallel rank holds: query heads
+    ``[q_start, q_start + num_heads)`` and KV heads ``[kv_start, kv_start + num_kv_heads)``."""
+
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+
+def head_split(num_heads: int, num_kv_heads: int, state: ParallelState) -> HeadSplit:
+    """Query heads split evenly; KV heads split evenly when there are at least as many as ranks,
+    else each rank holds a copy of the one KV head its query heads read (replicated).
+
+    Either way a rank's query heads read only its own KV heads: with ``g = num_heads //
+    num_kv_heads`` query heads per KV head, local query head i reads local KV head ``i // g``.
+    """
+    q_start, q_size = split_evenly(num_heads, "num_attention_heads", state)
+    if num_kv_heads >= state.world_size:
+        kv_start, kv_size = split_evenly(num_kv_heads, "num_key_value_heads", state)
+        return HeadSplit(q_start, q_size, kv_start, kv_size)
+    if state.world_size % num_kv_heads:
+        raise ConfigError(
+            f"num_key_value_heads = {num_kv_heads} is fewer than tensor_parallel_size = "
+            f"{state.world_size} and does not divide it, so KV heads cannot be replicated evenly; "
+            "choose a tensor_parallel_size that is a multiple of the KV head count"
+        )
+    return HeadSplit(q_start, q_size, q_start // (num_heads // num_kv_heads), 1)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config: Any, layer_idx: int, traits: ArchTraits) -> None:
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        split = head_split(total_heads, total_kv_heads, parallel_state())
+        # This rank's heads (all of them on one rank): the KV cache holds num_kv_heads heads.
+        self.num_heads = split.num_heads
+        self.num_kv_heads = split.num_kv_heads
         self.head_dim = head_dim_of(hf_config)
         self.scale = self.head_dim**-0.5
         self.layer_name = f"model.layers.{layer_idx}.self_attn"
         self.sliding_window = sliding_window_of(hf_config, layer_idx)
         qkv_bias = traits.qkv_bias_only or bool(getattr(hf_config, "attention_bias", False))
         o_bias = not traits.qkv_bias_only and bool(getattr(hf_config, "attention_bias", False))
-        hidden = hf_config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        hidden, hd = hf_config.hidden_size, self.head_dim
+        q_rows = (split.q_start * hd, split.num_heads * hd)
+        kv_rows = (split.kv_start * hd, split.num_kv_heads * hd)
+        # Tensor parallel: q/k/v split by heads (column), o by the same query heads (row).
+        self.q_proj = column_linear(hidden, total_heads * hd, *q_rows, bias=qkv_bias)
+        self.k_proj = column_linear(hidden, total_kv_heads * hd, *kv_rows, bias=qkv_bias)
+        self.v_proj = column_linear(hidden, total_kv_heads * hd, *kv_rows, bias=qkv_bias)
+        self.o_proj = row_linear(total_heads * hd, hidden, *q_rows, bias=o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if traits.qk_norm:
@@ -104,6 +143,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
     """A Llama-family causal LM whose attention runs through :class:`ForwardContext`."""
 
     traits: ClassVar[ArchTraits] = ArchTraits()
+    supports_tensor_parallel: ClassVar[bool] = True
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype = torch.float32) -> None:
         layers = (LlamaDecoderLayer(hf_config, i, self.traits) for i in range(hf_config.num_hidden_layers))

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError
 
-from warmcap.errors import ModelLoadError
+from warmcap.contracts.parallel import parallel_state
+from warmcap.errors import ConfigError, ModelLoadError
+from warmcap.models.decoder import check_tensor_parallel
+from warmcap.models.layers import Shard, checkpoint_shards
 from warmcap.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -101,17 +104,29 @@ def load_model(
     batch_invariant: bool = False,
 ) -> nn.Module:
     """Build warmcap's implementation of the directory's architecture and load its weights
-    (with batch-invariant linear layers when asked, :mod:`warmcap.models.batch_invariant`)."""
+    (with batch-invariant linear layers when asked, :mod:`warmcap.models.batch_invariant`).
+
+    Under tensor parallelism (:mod:`warmcap.contracts.parallel`) the model is this rank's shard and
+    only this rank's slice of each sharded tensor is read from the files (``get_slice``).
+    """
     from safetensors import safe_open
 
     hf_config = load_hf_config(path)
     cls = model_class(hf_config.architectures[0])
+    # Refused before any layer is built, so the error names the family, not a layer's arithmetic.
+    check_tensor_parallel(cls)
+    if batch_invariant and parallel_state().is_parallel:
+        raise ConfigError(
+            "batch_invariant is not supported with tensor parallelism (the sharded linears are not "
+            "tiled and the all-reduce order is fixed per shape, not per row); turn one of them off"
+        )
     files = weight_files(path)
     # Parameters are allocated without initialisation: every one is overwritten by the checkpoint.
     with torch.device("meta"):
         model = cls(hf_config, dtype=dtype)
     model.to_empty(device=device)
     model.tie_weights()
+    shards = checkpoint_shards(model)
 
     where: dict[str, Path | None] = {"file": None}
 
@@ -120,7 +135,11 @@ def load_model(
             where["file"] = f
             with safe_open(str(f), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open is not iterable
-                    yield name, handle.get_tensor(name)
+                    shard = shards.get(name)
+                    if shard is None:
+                        yield name, handle.get_tensor(name)
+                    else:
+                        yield name, _read_shard(handle.get_slice(name), shard)
         where["file"] = None
 
     # safe_open's tensors are private copy-on-write maps of the file that only this function holds:
@@ -142,6 +161,12 @@ def load_model(
 
         make_batch_invariant(model)
     return model.eval()
+
+
+def _read_shard(tensor_slice: Any, shard: Shard) -> torch.Tensor:
+    """Read only ``shard``'s rows/columns of a safetensors tensor (``safe_open(...).get_slice``)."""
+    index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.size),)
+    return tensor_slice[index]
 
 
 def _rebuild_hint(model_dir: Path) -> str:

@@ -1,0 +1,95 @@
+"""The tensor-parallel facts model code reads: this process's rank, the world size, the group.
+
+A process serves one rank. Whoever starts the rank (``warmcap.distributed``) calls
+:func:`set_parallel_state` once, after ``torch.distributed.init_process_group`` and before any model
+is built; a model built afterwards shards itself by these facts. Without that call the state is the
+single-process one (rank 0 of 1) and every collective below is the identity, so single-device code
+pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from warmcap.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelState:
+    """One rank's place in the tensor-parallel group.
+
+    ``group`` is the ``torch.distributed`` process group (None: the default group, or no group at
+    all when ``world_size`` is 1).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"tensor-parallel rank {self.rank} of world size {self.world_size} is not a valid "
+                "place; rank must be in [0, world_size) and world_size >= 1"
+            )
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+
+_SINGLE = ParallelState()
+_state: ParallelState = _SINGLE
+
+
+def parallel_state() -> ParallelState:
+    """This process's tensor-parallel state (rank 0 of 1 unless :func:`set_parallel_state` ran)."""
+    return _state
+
+
+def set_parallel_state(state: ParallelState | None) -> None:
+    """Set (or, with None, reset to single-process) this process's tensor-parallel state.
+
+    NOTE: process-global on purpose: one process serves one rank, and threading the state through
+    every model constructor would touch every family for a fact that never changes in a process.
+    """
+    global _state
+    _state = _SINGLE if state is None else state
+
+
+def split_evenly(total: int, what: str, state: ParallelState | None = None) -> tuple[int, int]:
+    """``(start, size)`` of this rank's contiguous share of ``total`` items; ConfigError naming
+    ``what`` when ``total`` does not divide by the world size."""
+    st = state or _state
+    if total % st.world_size:
+        raise ConfigError(
+            f"{what} = {total} does not divide by tensor_parallel_size = {st.world_size}; "
+            "choose a tensor_parallel_size that divides it"
+        )
+    size = total // st.world_size
+    return st.rank * size, size
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; the identity on one rank."""
+    st = _state
+    if st.is_parallel:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=st.group)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension, rank order; the identity on one rank."""
+    st = _state
+    if not st.is_parallel:
+        return x
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(st.world_size)]
+    dist.all_gather(parts, x.contiguous(), group=st.group)
+    return torch.cat(parts, dim=-1)
