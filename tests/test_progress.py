@@ -11,7 +11,7 @@ import time
 from rich.console import Console
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from warmcap.progress import PHASE_LABELS, StartupProgress
+from warmcap.progress import PHASE_LABELS, StartupProgress, configure_logging
 from warmcap.startup import run_startup
 from warmcap.startup_hooks import StartupEvent
 
@@ -92,3 +92,16 @@ def test_messages_are_shown_as_written_not_read_as_markup():
         progress(StartupEvent("load", "/models/[bold]odd[/bold] name"))
         progress(StartupEvent("load", finished=True, seconds=0.1))
     assert "/models/[bold]odd[/bold] name" in ANSI.sub("", buffer.getvalue())
+
+
+def test_a_later_command_is_not_chatty_because_an_earlier_one_was():
+    """A server sets the start-up logger to INFO; a one-shot command run later in the same
+    process (its default WARNING) must not keep printing those INFO lines."""
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    configure_logging(console, logging.INFO, name="warmcap.startup")
+    configure_logging(console, logging.WARNING)
+    logging.getLogger("warmcap.startup").info("load: model x")
+    logging.getLogger("warmcap.startup").warning("pool is small")
+    assert "load: model x" not in out.getvalue()
+    assert "pool is small" in out.getvalue()

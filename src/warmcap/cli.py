@@ -306,8 +306,9 @@ def generate(
 def request_context_len(prompt_len: int, max_tokens: int, lookahead: int, *, block_size: int) -> int:
     """The context one request needs (its prompt, its new tokens, the drafts the last verify step
     may hold), rounded up to whole KV blocks."""
-    need = prompt_len + max_tokens + lookahead
-    return -(-need // block_size) * block_size
+    from warmcap.core.reservation import block_aligned_len
+
+    return block_aligned_len(prompt_len + max_tokens + lookahead, block_size)
 
 
 def _within_model_limit(model: str, wanted: int) -> int | None:

@@ -122,13 +122,21 @@ def log_level(*, quiet: bool = False, verbose: bool = False, default: int = logg
 
 def configure_logging(console: Console, level: int, *, name: str = "warmcap") -> None:
     """Send logger ``name`` (default: all of warmcap) to ``console`` at ``level``. Idempotent: a
-    second call replaces the handler the first one added."""
+    call first removes what earlier calls installed on any warmcap logger (one process may run
+    several commands, e.g. a server then a one-shot ``generate``), so only this call's handler
+    and level apply."""
     from rich.logging import RichHandler
 
+    for logger_name in ["warmcap", *logging.root.manager.loggerDict]:
+        if logger_name != "warmcap" and not logger_name.startswith("warmcap."):
+            continue
+        earlier = logging.getLogger(logger_name)
+        cli_handlers = [h for h in earlier.handlers if getattr(h, "_warmcap_cli", False)]
+        for handler in cli_handlers:
+            earlier.removeHandler(handler)
+        if cli_handlers:
+            earlier.setLevel(logging.NOTSET)
     log = logging.getLogger(name)
-    for handler in list(log.handlers):
-        if getattr(handler, "_warmcap_cli", False):
-            log.removeHandler(handler)
     handler = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False)
     handler._warmcap_cli = True  # type: ignore[attr-defined]
     handler.setLevel(level)

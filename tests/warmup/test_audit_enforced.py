@@ -109,10 +109,25 @@ def test_llm_audit_serving_covers_replayed_graphs_too():
     assert llm.engine.serving_audit.totals.ok and llm.engine.serving_audit.totals.steps >= 20
 
 
+def _drop_served_lookahead(allocate_slots):
+    """Fault: a KV manager that forgets the lookahead for served requests (warmup's own requests,
+    ``warmup-*``, still get it) while the scheduler still tells the runner the full lookahead, so
+    dflash's drafts land up to 7 slots past the blocks a request holds."""
+
+    def allocate(self, req, num_new_tokens, *args, num_lookahead_tokens=0, **kwargs):
+        if not req.request_id.startswith("warmup-"):
+            num_lookahead_tokens = 0
+        return allocate_slots(
+            self, req, num_new_tokens, *args, num_lookahead_tokens=num_lookahead_tokens, **kwargs
+        )
+
+    return allocate
+
+
 def _drafter_writing_past_its_blocks(audit_serving: bool) -> LLMEngine:
     engine = LLMEngine(_config("dflash:7"), startup_hooks=[], audit_serving=audit_serving)
-    # Fault: blocks are reserved as if the drafter wrote nothing ahead, but dflash writes 7 slots on.
-    engine.scheduler.num_lookahead_tokens = 0
+    manager = engine.kv_cache_manager
+    manager.allocate_slots = _drop_served_lookahead(type(manager).allocate_slots).__get__(manager)
     return engine
 
 
@@ -134,9 +149,7 @@ def test_a_drafter_writing_past_its_blocks_fails_the_serving_step_that_did_it():
     # the step's requests were aborted and their blocks freed; the engine stays usable
     pool = engine.kv_cache_manager.pool
     assert not engine.has_unfinished() and pool.num_free_blocks == pool.num_blocks - 1
-    engine.scheduler.num_lookahead_tokens = LLMEngine(
-        _config("dflash:7"), startup_hooks=[]
-    ).scheduler.num_lookahead_tokens
+    del engine.kv_cache_manager.allocate_slots  # the fault mended, the same engine serves correctly
     assert _generate(engine) == _generate(LLMEngine(_config("dflash:7"), startup_hooks=[]))
 
 
@@ -146,10 +159,12 @@ def test_without_audit_serving_the_same_fault_goes_unnoticed():
 
 
 def test_generate_audit_serving_fails_the_faulty_step_with_one_line_exit_1(monkeypatch):
-    import warmcap.core.scheduler
+    from warmcap.core.kv_cache_manager import KVCacheManager
 
     # Fault: serving reserves no lookahead (warmup's plan still does), while dflash writes 7 ahead.
-    monkeypatch.setattr(warmcap.core.scheduler, "step_lookahead", lambda config, **_: 0)
+    monkeypatch.setattr(
+        KVCacheManager, "allocate_slots", _drop_served_lookahead(KVCacheManager.allocate_slots)
+    )
     args = ["generate", "--model", "tiny-llama", "--spec", "dflash:7", "--no-chat", "--max-tokens", "40"]
     result = CliRunner().invoke(cli_app, [*args, "--prompt", "a b c d e f g h i j k l", "--audit-serving"])
     assert result.exit_code == 1, result.output

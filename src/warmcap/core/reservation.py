@@ -119,6 +119,11 @@ def max_blocks_per_request(
     return max(counts.values(), default=0)
 
 
+def block_aligned_len(num_tokens: int, block_size: int) -> int:
+    """``num_tokens`` rounded up to whole blocks: the context length that many tokens occupy."""
+    return cdiv(num_tokens, block_size) * block_size
+
+
 def blocks_covering(num_tokens, block_size: int):
     """Blocks that positions ``0 .. num_tokens - 1`` occupy — what an attention kernel reads, not
     what a request reserves. Works elementwise on integer tensors as well as on ints."""
