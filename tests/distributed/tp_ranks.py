@@ -71,3 +71,17 @@ def die_mid_collective(rank: int, dying_rank: int, how: str) -> int:
         x.fill_(1.0)
         time.sleep(0.01)
     return rank
+
+
+def save_tiny(out: Path, name: str, arch: str, **overrides: object) -> Path:
+    """A tiny preset's architecture with ``overrides`` (head counts ...), random weights seeded as the
+    presets are, saved as an HF checkpoint in ``out``."""
+    import transformers
+
+    from warmcap.models.tiny import SEED, tiny_config
+
+    config = tiny_config(name, **overrides)
+    config.architectures = [arch]
+    torch.manual_seed(SEED)
+    getattr(transformers, arch)(config).save_pretrained(str(out))
+    return out
