@@ -7,6 +7,7 @@ Only one tensor-parallel engine can live in a process at a time, so each test sh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -53,6 +54,17 @@ def _run(model: str, tp: int, prompts: list, params: SamplingParams = GREEDY, **
         }
     finally:
         llm.shutdown()
+
+
+def _live_children() -> set[int]:
+    """Pids of this process's live descendants, multiprocessing's resource tracker aside (it
+    outlives any engine by design)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.add(p.pid)
+    return out
 
 
 def _workers_gone(pids: list[int]) -> bool:
@@ -147,6 +159,25 @@ def test_dropping_the_llm_stops_its_workers():
     assert _run("tiny-llama", 2, PROMPTS[:1])["tokens"]
 
 
+@pytest.mark.slow
+def test_a_worker_error_names_its_rank_and_stops_every_worker():
+    from tp_ranks import fail_on_worker
+
+    from warmcap.engine import LLMEngine
+    from warmcap.llm import build_config
+
+    config = build_config("tiny-llama", tensor_parallel_size=2, **SMALL)
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(
+        RankFailedError, match="rank 1 failed: RuntimeError: deliberate failure on the worker"
+    ):
+        LLMEngine(config, startup_hooks=[fail_on_worker])
+    with pytest.raises(ConfigError, match="cannot be sent to the worker ranks"):
+        LLMEngine(config, startup_hooks=[lambda ctx: None])
+    leftover = set(psutil.Process().children(recursive=True)) - before
+    assert not [p for p in leftover if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_tensor_parallel_size_is_validated():
     with pytest.raises(ConfigError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         LLM("tiny-llama", tensor_parallel_size=0)
@@ -155,7 +186,7 @@ def test_tensor_parallel_size_is_validated():
 
 
 def test_unsharded_families_are_refused_before_any_worker_starts():
-    before = set(psutil.Process().children(recursive=True))
+    before = _live_children()
     with pytest.raises(ModelLoadError, match="does not support tensor parallelism yet"):
         LLM("tiny-deepseek-v3", tensor_parallel_size=2, **SMALL)
-    assert set(psutil.Process().children(recursive=True)) == before
+    assert _live_children() == before

@@ -12,7 +12,7 @@ from test_tp_engine import _run
 from warmcap.sampling_params import SamplingParams
 
 PROMPTS_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "bench_prompts.jsonl"
-PARAMS = SamplingParams(temperature=0.0, max_tokens=12)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 OPTIONS = {"max_model_len": 256, "max_num_seqs": 4, "enforce_eager": True}
 
 

@@ -85,3 +85,11 @@ def save_tiny(out: Path, name: str, arch: str, **overrides: object) -> Path:
     torch.manual_seed(SEED)
     getattr(transformers, arch)(config).save_pretrained(str(out))
     return out
+
+
+def fail_on_worker(ctx: object) -> None:
+    """A start-up hook that raises on rank 1 only (rank 0 goes on into the gather)."""
+    from warmcap.contracts.parallel import parallel_state
+
+    if parallel_state().rank == 1:
+        raise RuntimeError("deliberate failure on the worker")

@@ -24,8 +24,10 @@ import atexit
 import contextlib
 import functools
 import inspect
+import logging
 import pickle
 import queue as queue_mod
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +41,7 @@ from warmcap.distributed.channel import CommandChannel, RunHook, Stop
 from warmcap.distributed.rank_report import rank_rows, summarize
 from warmcap.distributed.rendezvous import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
+    Rendezvous,
     join_group,
     leave_group,
     rendezvous_for,
@@ -52,6 +55,8 @@ if TYPE_CHECKING:
     from warmcap.graphs.report import RankRow
     from warmcap.startup_hooks import StartupContext, StartupHook
 
+
+logger = logging.getLogger("warmcap.distributed")
 
 #: how long workers told to stop get to leave on their own before they are terminated
 STOP_GRACE_S = 5.0
@@ -70,6 +75,7 @@ class TPExecutor:
         self._errors = errors
         self._channel: CommandChannel | None = None
         self._stopped: str | None = None
+        self._halted = False
         #: hook name -> each rank's summary of its result, in rank order
         self.summaries: dict[str, list[dict[str, Any]]] = {}
 
@@ -113,9 +119,30 @@ class TPExecutor:
             p.start()
         atexit.register(executor.shutdown)
         with executor.guarded():
-            join_group(0, rendezvous, timeout_s=timeout_s)
+            executor._join(rendezvous, timeout_s)
             executor._channel = CommandChannel.open(0, n)
         return executor
+
+    def _join(self, rendezvous: Rendezvous, timeout_s: float) -> None:
+        """Join the group as rank 0, watching the workers meanwhile: one that dies before it joins
+        fails start-up at once instead of after the rendezvous timeout."""
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                join_group(0, rendezvous, timeout_s=timeout_s)
+            except BaseException as e:
+                failed.append(e)
+
+        # NOTE: a daemon thread: if a worker died, the rendezvous it waits in ends by its timeout.
+        joiner = threading.Thread(target=join, name="warmcap-tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(POLL_S)
+            if joiner.is_alive() and self._dead_worker() is not None:
+                raise self._failure(None)
+        if failed:
+            raise failed[0]
 
     # ---- what the engine calls -------------------------------------------------------------------
 
@@ -194,7 +221,10 @@ class TPExecutor:
         try:
             yield
         except BaseException as e:
-            raise self._failure(e) from e
+            failure = self._failure(e)
+            if failure is e:
+                raise
+            raise failure from e
 
     def _failure(self, error: BaseException | None) -> BaseException:
         """The error to raise for a failed group, after stopping it: the worker that reported an
@@ -221,7 +251,7 @@ class TPExecutor:
             rank, message, trace = self._errors.get_nowait()
         except (queue_mod.Empty, OSError, ValueError):
             return None
-        return RankFailedError(rank, f"{message}\n{trace}")
+        return _reported(rank, message, trace)
 
     def _death(self) -> RankFailedError | None:
         rank = self._dead_worker()
@@ -230,8 +260,16 @@ class TPExecutor:
         # A worker that raised puts its error on the queue just before it exits.
         with contextlib.suppress(queue_mod.Empty, OSError, ValueError):
             r, message, trace = self._errors.get(timeout=POLL_S)
-            return RankFailedError(r, f"{message}\n{trace}")
-        return RankFailedError(rank, describe_exit(self._procs[rank - 1]))
+            return _reported(r, message, trace)
+        what = describe_exit(self._procs[rank - 1])
+        if self._channel is None:
+            # Died before joining and reported nothing: most often the spawned process failed to
+            # import the script that started the engine.
+            what += (
+                " while starting; workers are spawned processes that import the main script, so a "
+                'script that starts a tensor-parallel engine must do it under if __name__ == "__main__":'
+            )
+        return RankFailedError(rank, what)
 
     def _dead_worker(self) -> int | None:
         for rank, p in enumerate(self._procs, start=1):
@@ -240,8 +278,19 @@ class TPExecutor:
         return None
 
     def _halt(self, grace_s: float = 0.0) -> None:
+        # NOTE: once only: a late second call (the LLM's __del__ after shutdown()) must not leave
+        # the group of another engine started in this process since.
+        if self._halted:
+            return
+        self._halted = True
         stop_processes(self._procs, grace_s=grace_s)
         leave_group()
         self._channel = None
         with contextlib.suppress(Exception):
             atexit.unregister(self.shutdown)
+
+
+def _reported(rank: int, message: str, trace: str) -> RankFailedError:
+    """A worker's own error: its message in the exception, its traceback in the log."""
+    logger.error("tensor-parallel rank %d failed:\n%s", rank, trace)
+    return RankFailedError(rank, message)
