@@ -115,9 +115,13 @@ class TPExecutor:
             for rank in range(1, n)
         ]
         executor = cls(n, procs, errors)
-        for p in procs:
-            p.start()
         atexit.register(executor.shutdown)
+        try:
+            for p in procs:
+                p.start()
+        except BaseException:
+            executor._halt()
+            raise
         with executor.guarded():
             executor._join(rendezvous, timeout_s)
             executor._channel = CommandChannel.open(0, n)

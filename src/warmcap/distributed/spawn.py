@@ -143,7 +143,8 @@ def describe_exit(proc: Any) -> str:
 
 def stop_processes(procs: list[Any], *, grace_s: float = 0.0) -> None:
     """Make sure every process in ``procs`` has ended: each gets ``grace_s`` to exit on its own,
-    then is terminated, then (after ``TERMINATE_GRACE_S``) killed."""
+    then is terminated, then (after ``TERMINATE_GRACE_S``) killed. Processes never started are skipped."""
+    procs = [p for p in procs if p.pid is not None]
     end = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, end - time.monotonic()))
