@@ -13,13 +13,14 @@ Under TP=2 rank 0 (this process) also times, per engine step:
 On a 2-core machine TP=2 cannot be faster (both ranks share the cores the single rank used); the
 point is the price of the communication.
 
-    .venv/bin/python benchmarks/bench_tp.py [--model smollm2-135m] [--prompts 4] [--max-tokens 32] [--rounds 2]
+    .venv/bin/python benchmarks/bench_tp.py [--model smollm2-135m] [--prompts 4] [--max-tokens 32] [--rounds 2] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import time
 from collections import defaultdict
@@ -117,7 +118,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process (every rank; 0: torch's default). On a shared machine more "
+        "than one thrashes in OpenMP spin-waits",
+    )
     args = parser.parse_args()
+    if args.threads:
+        # NOTE: the environment reaches the spawned worker ranks, which read it when torch loads.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = [r["prompt"] for r in rows[: args.prompts]]
     # Alternated rounds, best of each: on a shared, loaded machine one round can land on a busy spell.
