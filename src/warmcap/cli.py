@@ -220,6 +220,8 @@ def plan(
     )
     from dataclasses import replace
 
+    if tensor_parallel_size > 1:
+        _refuse_unshardable(model, tensor_parallel_size)
     # Rank 0 makes the plan and every rank runs it: the one-device plan (shapes, not shards).
     assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
@@ -227,6 +229,21 @@ def plan(
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
         render_plan(result, Console())
+
+
+def _refuse_unshardable(model: str, tensor_parallel_size: int) -> None:
+    """Refuse, as start-up would, a model family that cannot be sharded (read from config.json only)."""
+    from pathlib import Path
+
+    from warmcap.models.decoder import check_tensor_parallel
+    from warmcap.models.loader import load_hf_config
+    from warmcap.models.presets import resolve_model
+    from warmcap.models.registry import model_class
+
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        path = Path(resolve_model(model, config_only=True))
+    check_tensor_parallel(model_class(load_hf_config(path).architectures[0]), tensor_parallel_size)
 
 
 # ---- warmup generate -----------------------------------------------------------------------------

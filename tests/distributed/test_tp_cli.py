@@ -43,6 +43,13 @@ def test_warmup_plan_is_unchanged_by_tp(spec):
     assert two.output == one.output
 
 
+def test_warmup_plan_refuses_tp_for_a_family_start_up_refuses():
+    res = runner.invoke(app, ["plan", "-m", "tiny-deepseek-v3", "-tp", "2", "--json"])
+    assert res.exit_code != 0
+    assert "does not support tensor parallelism yet" in res.output
+    assert "Traceback" not in res.output
+
+
 def test_bad_tensor_parallel_size_is_a_usage_error():
     res = runner.invoke(app, ["plan", "-m", "tiny-llama", "--tensor-parallel-size", "0"])
     assert res.exit_code != 0
