@@ -12,6 +12,9 @@ importable:
 - greedy generation before and after capture must be token-identical, target graphs must be
   replayed, and drafter graphs too when the drafter has any;
 then compare the Triton slot-mapping kernel, compiled for real, with the torch reference.
+With two or more GPUs, tensor parallelism: ``warmup run`` at TP=2 over NCCL (both ranks audited and
+every graph verified on both) and greedy TP=2 output against TP=1; skipped, with the reason
+printed, on fewer than two GPUs.
 
 Prints a summary; writes ``gpu_check.json`` into ``$OUT`` when that is set. Exit code 0 when every
 check passed, 1 when any failed, 2 when there is no CUDA device.
@@ -194,6 +197,64 @@ def check_slot_mapping() -> dict[str, Any]:
     }
 
 
+#: the TP=2 check: (model preset, dtype, speculative spec)
+TP_ENGINE: tuple[str, str, str | None] = ("smollm2-135m", "float32", "draft_model:2")
+
+
+def check_tensor_parallel() -> dict[str, Any]:
+    """TP=2 over NCCL, one GPU per rank: start-up report rows for both ranks, greedy TP=2 == TP=1."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        reason = f"{count} CUDA device visible; tensor parallelism at TP=2 needs 2"
+        print(f"tensor parallel: skipped ({reason})")
+        return {"ok": True, "skipped": reason}
+    from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from warmcap.sampling_params import SamplingParams
+    from warmcap.startup import run_startup
+
+    model, dtype, spec = TP_ENGINE
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+
+    def config(tp: int) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device="cuda"),
+            cache=CacheConfig(block_size=16, num_blocks=1024),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512),
+            speculative=SpeculativeConfig.parse(spec),
+            tensor_parallel_size=tp,
+        )
+
+    t0 = time.perf_counter()
+    run = run_startup(config(2), audit=True)
+    startup_s = time.perf_counter() - t0
+    try:
+        two = [o.outputs[0].token_ids for o in run.engine.generate(PROMPTS, [params] * len(PROMPTS))]
+    finally:
+        run.engine.shutdown()
+    one_engine = run_startup(config(1), audit=True).engine
+    one = [o.outputs[0].token_ids for o in one_engine.generate(PROMPTS, [params] * len(PROMPTS))]
+    ranks = [
+        {
+            "rank": r.rank,
+            "violations": r.warmup_audit.violations,
+            "verified": f"{r.graphs_verified}/{r.graphs}",
+        }
+        for r in run.report.ranks
+    ]
+    ranks_ok = len(ranks) == 2 and all(r.ok for r in run.report.ranks)
+    same = sum(a == b for a, b in zip(one, two, strict=True))
+    print(f"tensor parallel: ranks {ranks}, greedy TP=2 == TP=1 for {same}/{len(PROMPTS)} prompts")
+    return {
+        "ok": ranks_ok and same == len(PROMPTS),
+        "model": model,
+        "spec": spec,
+        "startup_s": startup_s,
+        "ranks": ranks,
+        "greedy_identical": same,
+        "prompts": len(PROMPTS),
+    }
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print(
@@ -231,6 +292,13 @@ def main() -> int:
         traceback.print_exc()
         results["slot_mapping"] = {"ok": False, "error": repr(exc)}
 
+    print("\n=== tensor parallel", flush=True)
+    try:
+        results["tensor_parallel"] = check_tensor_parallel()
+    except Exception as exc:
+        traceback.print_exc()
+        results["tensor_parallel"] = {"ok": False, "error": repr(exc)}
+
     print("\n=== summary")
     for e in results["engines"]:
         line = f"{'PASS' if e['ok'] else 'FAIL'}  {e['model']} spec={e['spec']} attention={e['attention']}"
@@ -253,13 +321,15 @@ def main() -> int:
         print(line)
     sm = results["slot_mapping"]
     print(f"{'PASS' if sm['ok'] else 'FAIL'}  triton slot mapping vs torch: {json.dumps(sm)}")
+    tp = results["tensor_parallel"]
+    print(f"{'PASS' if tp['ok'] else 'FAIL'}  tensor parallel TP=2: {json.dumps(tp)}")
 
     out_dir = os.environ.get("OUT")
     if out_dir:
         path = Path(out_dir) / "gpu_check.json"
         path.write_text(json.dumps(results, indent=2))
         print(f"wrote {path}")
-    all_ok = all(e["ok"] for e in results["engines"]) and sm["ok"]
+    all_ok = all(e["ok"] for e in results["engines"]) and sm["ok"] and tp["ok"]
     return 0 if all_ok else 1
 
 

@@ -129,6 +129,7 @@ def _engine_config(
     batch_invariant: bool = False,
     enforce_eager: bool = False,
     kv_transfer_config: str | None = None,
+    tensor_parallel_size: int = 1,
 ):
     from warmcap.config import (
         CacheConfig,
@@ -156,7 +157,18 @@ def _engine_config(
         speculative=SpeculativeConfig.parse(spec),
         kv_role=kv_role,
         kv_transfer=KVTransferConfig.parse(kv_transfer_config),
+        tensor_parallel_size=tensor_parallel_size,
     )
+
+
+def _tp_option(*, for_plan: bool = False) -> Any:
+    """``--tensor-parallel-size N``: shard the model over N ranks (this process and N-1 workers)."""
+    extra = (
+        " The plan is the same for every rank, so it does not change the output."
+        if for_plan
+        else " Rank 0 is this process, ranks 1..N-1 are spawned worker processes (gloo on CPU, NCCL on CUDA)."
+    )
+    return typer.Option(1, "--tensor-parallel-size", "-tp", help="Ranks to shard the model over." + extra)
 
 
 # ---- warmup plan ---------------------------------------------------------------------------------
@@ -182,6 +194,7 @@ def plan(
         "auto", help="Device whose free memory sizes the pool: auto, cpu or cuda[:N]."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema: docs/warmup.md)."),
+    tensor_parallel_size: int = _tp_option(for_plan=True),
 ) -> None:
     """Plan warmup exactly as start-up will — same config, KV groups and pool — with no weights loaded."""
     import json
@@ -203,13 +216,34 @@ def plan(
         kv_transfer_config=kv_transfer_config,
         dtype=dtype,
         device=device,
+        tensor_parallel_size=tensor_parallel_size,
     )
-    assembly = assemble_for_plan(config)
+    from dataclasses import replace
+
+    if tensor_parallel_size > 1:
+        _refuse_unshardable(model, tensor_parallel_size)
+    # Rank 0 makes the plan and every rank runs it: the one-device plan (shapes, not shards).
+    assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
         render_plan(result, Console())
+
+
+def _refuse_unshardable(model: str, tensor_parallel_size: int) -> None:
+    """Refuse, as start-up would, a model family that cannot be sharded (read from config.json only)."""
+    from pathlib import Path
+
+    from warmcap.models.decoder import check_tensor_parallel
+    from warmcap.models.loader import load_hf_config
+    from warmcap.models.presets import resolve_model
+    from warmcap.models.registry import model_class
+
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        path = Path(resolve_model(model, config_only=True))
+    check_tensor_parallel(model_class(load_hf_config(path).architectures[0]), tensor_parallel_size)
 
 
 # ---- warmup generate -----------------------------------------------------------------------------
@@ -246,6 +280,7 @@ def generate(
     ),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
+    tensor_parallel_size: int = _tp_option(),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),
 ) -> None:
@@ -288,6 +323,7 @@ def generate(
             dtype=dtype,
             batch_invariant=batch_invariant,
             audit_serving=audit_serving,
+            tensor_parallel_size=tensor_parallel_size,
         )
     out = Console()
     try:
@@ -383,6 +419,7 @@ def run(
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),
     kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
+    tensor_parallel_size: int = _tp_option(),
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
@@ -407,6 +444,7 @@ def run(
         dtype=dtype,
         batch_invariant=batch_invariant,
         kv_transfer_config=kv_transfer_config,
+        tensor_parallel_size=tensor_parallel_size,
     )
     if out:
         _check_out_path(out)
@@ -421,6 +459,8 @@ def run(
             config, backend=backend, capture_sizes=sizes, audit=audit, audit_serving=audit_serving
         )
     report = result.report
+    # Tensor parallelism: the worker ranks are not needed for printing the report.
+    result.engine.shutdown()
     if out:
         Path(out).write_text(report.to_json())
     if as_json:
@@ -551,6 +591,7 @@ def serve(
         False, "--enforce-eager", help="Capture no graphs: every step runs eagerly (start-up is faster)."
     ),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
+    tensor_parallel_size: int = _tp_option(),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),
 ) -> None:
@@ -576,6 +617,7 @@ def serve(
         kv_transfer_config=kv_transfer_config,
         batch_invariant=batch_invariant,
         enforce_eager=enforce_eager,
+        tensor_parallel_size=tensor_parallel_size,
     )
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     options = ServeOptions(api_key=api_key, backend=backend, capture_sizes=sizes, audit_serving=audit_serving)

@@ -294,8 +294,15 @@ class EngineConfig:
     #: P/D role; filled from ``kv_transfer`` when that is given and this is left at ``none``
     kv_role: str = "none"
     kv_transfer: KVTransferConfig | None = None
+    #: ranks the model is sharded over (``warmcap.distributed``); 1: one device, no workers
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        _require(
+            isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+            f"tensor_parallel_size must be an integer >= 1, got {tp!r}: use 1 for one device",
+        )
         _require(
             self.kv_role in KV_ROLES,
             f"kv_role {self.kv_role!r} is unknown: use one of {', '.join(KV_ROLES)}",
@@ -309,6 +316,11 @@ class EngineConfig:
             )
             # NOTE: one role for every reader (scheduler, planner, drafter factory): the transfer's.
             object.__setattr__(self, "kv_role", role)
+        _require(
+            tp == 1 or self.kv_role == "none",
+            f"kv_role {self.kv_role!r} (P/D KV transfer) is not supported with tensor_parallel_size = "
+            f"{tp}: the connector would see only rank 0's KV heads; use tensor_parallel_size 1",
+        )
 
     @property
     def num_speculative_tokens(self) -> int:

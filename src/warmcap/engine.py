@@ -19,15 +19,19 @@ import torch
 
 from warmcap.assembly import assemble, finish_config, resolve_device
 from warmcap.config import EngineConfig
+from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
+from warmcap.distributed.executor import TPExecutor
 from warmcap.drafters import build_drafter
 from warmcap.errors import ConfigError, NonFiniteLogitsError
 from warmcap.graphs.hook import graph_capture_hook
 from warmcap.kv_sizing import free_memory_bytes
 from warmcap.metrics import SpecDecodeMetrics
+from warmcap.models.decoder import check_tensor_parallel
+from warmcap.models.registry import model_class
 from warmcap.output_processor import TrackedRequest, apply_stop_strings, gather_samples, token_logprobs
 from warmcap.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from warmcap.progress import progress_bar
@@ -91,8 +95,7 @@ class LLMEngine:
         audit_serving: bool = False,
         observer: StartupObserver | None = None,
     ) -> None:
-        from warmcap.models.loader import load_hf_config, load_model, load_tokenizer
-        from warmcap.runner_v2.attention.selector import select_backend
+        from warmcap.models.loader import load_hf_config
 
         observer = observer or current_observer()
         t_load = time.perf_counter()
@@ -102,6 +105,31 @@ class LLMEngine:
         hf_config = load_hf_config(self.model_path)
         # Fails on an unknown context limit before any weight is read, as `warmup plan` does.
         config = finish_config(config, hf_config)
+        #: rank 0's side of tensor parallelism (None: one device); started before this rank's shard
+        #: is loaded, as the shard is built by the group's parallel state
+        self.executor: TPExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            # Refused here, before any worker is spawned.
+            check_tensor_parallel(model_class(hf_config.architectures[0]), config.tensor_parallel_size)
+            self.executor = TPExecutor.start(config, self.model_path, self.device)
+        try:
+            self._start(config, hf_config, observer, t_load, audit_serving, startup_hooks)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        observer: StartupObserver,
+        t_load: float,
+        audit_serving: bool,
+        startup_hooks: Sequence[StartupHook] | None,
+    ) -> None:
+        from warmcap.models.loader import load_model, load_tokenizer
+        from warmcap.runner_v2.attention.selector import select_backend
+
         # NOTE: measured before the weights load, as `warmup plan` measures with none loaded;
         # assemble subtracts the weights by shape, so both get the same pool.
         free_bytes = free_memory_bytes(self.device)
@@ -113,7 +141,9 @@ class LLMEngine:
             batch_invariant=config.model.batch_invariant,
         )
         self.tokenizer = _try_tokenizer(load_tokenizer, self.model_path)
-        self.drafter = build_drafter(config, self.model)
+        # Under tensor parallelism every rank holds the whole drafter (no-op on one device).
+        with replicated():
+            self.drafter = build_drafter(config, self.model)
         t_kv = time.perf_counter()
         notify(observer, StartupEvent("load", str(self.model_path), finished=True, seconds=t_kv - t_load))
         notify(observer, StartupEvent("kv_sizing", "KV groups and pool size"))
@@ -122,7 +152,10 @@ class LLMEngine:
         )
         self.config = config = assembly.config
         self.kv_groups = assembly.kv_groups
-        self.num_blocks = assembly.num_blocks
+        executor = self.executor
+        self.num_blocks = (
+            assembly.num_blocks if executor is None else executor.agree_num_blocks(assembly.num_blocks)
+        )
         self.kv_cache_manager = KVCacheManager(
             self.kv_groups,
             self.num_blocks,
@@ -132,7 +165,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.kv_cache_manager, eos_token_id=_eos_id(self.tokenizer, hf_config)
         )
-        self.runner = ModelRunner(
+        make_runner = ModelRunner if executor is None else executor.make_runner
+        self.runner = make_runner(
             config,
             self.model,
             self.kv_groups,
@@ -182,9 +216,20 @@ class LLMEngine:
             t_hook = time.perf_counter()
             name = hook_name(hook)
             notify(observer, StartupEvent(name))
-            self.startup_results[name] = hook(self.startup_context)
+            self.startup_results[name] = (
+                hook(self.startup_context)
+                if executor is None
+                else executor.run_hook(hook, self.startup_context)
+            )
             self.startup_timings[name] = time.perf_counter() - t_hook
             notify(observer, StartupEvent(name, finished=True, seconds=self.startup_timings[name]))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks (nothing to do on one device); idempotent. The
+        engine runs no more steps afterwards under TP."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
 
     @property
     def warmup_result(self) -> WarmupResult | None:

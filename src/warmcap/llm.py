@@ -39,7 +39,13 @@ _KWARG_TARGETS: dict[str, tuple[str, str]] = {
     "max_model_len": ("scheduler", "max_model_len"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
 }
-LLM_KWARGS: tuple[str, ...] = (*_KWARG_TARGETS, "speculative_config", "kv_role", "kv_transfer_config")
+LLM_KWARGS: tuple[str, ...] = (
+    *_KWARG_TARGETS,
+    "speculative_config",
+    "kv_role",
+    "kv_transfer_config",
+    "tensor_parallel_size",
+)
 
 
 def build_config(model: str, **kwargs: Any) -> EngineConfig:
@@ -69,6 +75,7 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
         speculative=SpeculativeConfig.parse(kwargs.get("speculative_config")),
         kv_role=kwargs.get("kv_role", "none"),
         kv_transfer=KVTransferConfig.parse(kwargs.get("kv_transfer_config")),
+        tensor_parallel_size=kwargs.get("tensor_parallel_size", 1),
     )
 
 
@@ -93,7 +100,9 @@ class LLM:
     """Offline generation: ``LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=8))``.
 
     Keyword arguments are vLLM's where warmcap has the setting (``gpu_memory_utilization``,
-    ``dtype="auto"``, ``speculative_config``, ...); see :data:`LLM_KWARGS`.
+    ``dtype="auto"``, ``speculative_config``, ``tensor_parallel_size``, ...); see :data:`LLM_KWARGS`.
+    With ``tensor_parallel_size=N`` the model is sharded over this process (rank 0) and N-1
+    worker processes; :meth:`shutdown` stops them.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, audit_serving: bool = False, **kwargs: Any) -> None:
@@ -103,6 +112,16 @@ class LLM:
         stray KV write: an engine whose cache may be corrupted is never handed out.
         """
         self.engine = LLMEngine(build_config(model, **kwargs), audit_serving=audit_serving)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (``tensor_parallel_size > 1``); idempotent.
+        Also run when the ``LLM`` is garbage-collected and at interpreter exit."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self) -> Any:

@@ -43,6 +43,9 @@ class StartupRun:
 
     @property
     def audit_violations(self) -> int:
+        """Stray KV writes warmup found: rank 0's, or under tensor parallelism every rank's."""
+        if self.report.ranks:
+            return sum(r.warmup_audit.violations for r in self.report.ranks)
         return self.report.warmup_audit.violations
 
 
@@ -82,7 +85,9 @@ def run_startup(
     prompts = list(SMOKE_PROMPTS[:num_smoke_prompts])
     if engine.tokenizer is None:
         prompts = [[1 + i, 2 + i, 3 + i] for i in range(num_smoke_prompts)]
-    outputs = engine.generate(prompts, [params] * len(prompts)) if warm.audit.ok else []
+    ranks = engine.executor.rank_rows() if engine.executor is not None else []
+    audit_ok = warm.audit.ok and all(r.warmup_audit.violations == 0 for r in ranks)
+    outputs = engine.generate(prompts, [params] * len(prompts)) if audit_ok else []
     smoke = time.perf_counter() - t1
     notify(observer, StartupEvent("smoke", finished=True, seconds=smoke))
 
@@ -104,6 +109,7 @@ def run_startup(
             m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, list(m.accepted_per_pos)
         ),
         "timings": timings,
+        "ranks": ranks,
     }
     if graphs is not None:
         report = graphs.report(**common)

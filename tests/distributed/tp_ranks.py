@@ -71,3 +71,25 @@ def die_mid_collective(rank: int, dying_rank: int, how: str) -> int:
         x.fill_(1.0)
         time.sleep(0.01)
     return rank
+
+
+def save_tiny(out: Path, name: str, arch: str, **overrides: object) -> Path:
+    """A tiny preset's architecture with ``overrides`` (head counts ...), random weights seeded as the
+    presets are, saved as an HF checkpoint in ``out``."""
+    import transformers
+
+    from warmcap.models.tiny import SEED, tiny_config
+
+    config = tiny_config(name, **overrides)
+    config.architectures = [arch]
+    torch.manual_seed(SEED)
+    getattr(transformers, arch)(config).save_pretrained(str(out))
+    return out
+
+
+def fail_on_worker(ctx: object) -> None:
+    """A start-up hook that raises on rank 1 only (rank 0 goes on into the gather)."""
+    from warmcap.contracts.parallel import parallel_state
+
+    if parallel_state().rank == 1:
+        raise RuntimeError("deliberate failure on the worker")

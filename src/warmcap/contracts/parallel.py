@@ -9,6 +9,8 @@ pays nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,23 @@ def set_parallel_state(state: ParallelState | None) -> None:
     """
     global _state
     _state = _SINGLE if state is None else state
+
+
+@contextmanager
+def replicated() -> Iterator[None]:
+    """Build whole (unsharded) modules inside: the state reads as rank 0 of 1 until the block ends.
+
+    Tensor-parallel drafters are replicated: every rank builds the full drafter inside this block,
+    so its own layers are plain modules that never communicate. It may still call sharded target
+    modules it shares (the embedding, the LM head), whose collectives read the restored state.
+    """
+    global _state
+    saved = _state
+    _state = _SINGLE
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def split_evenly(total: int, what: str, state: ParallelState | None = None) -> tuple[int, int]:

@@ -91,7 +91,7 @@ def run_on_ranks(
     try:
         return _collect(procs, results, timeout_s)
     finally:
-        _stop(procs)
+        stop_processes(procs)
         results.close()
 
 
@@ -104,7 +104,7 @@ def _collect(procs: list[Any], results: Any, timeout_s: float) -> list[Any]:
         except queue_mod.Empty:
             dead = _silently_dead(procs, done)
             if dead is not None:
-                raise RankFailedError(dead, _exit_note(procs[dead])) from None
+                raise RankFailedError(dead, describe_exit(procs[dead])) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - set(done))
                 raise RankFailedError(missing[0], f"no result within {timeout_s:.0f} s") from None
@@ -117,7 +117,8 @@ def _collect(procs: list[Any], results: Any, timeout_s: float) -> list[Any]:
                 dead = _silently_dead(procs, {**done, rank: None})
                 if dead is not None:
                     raise RankFailedError(
-                        dead, f"{_exit_note(procs[dead])} (rank {rank} then failed: {value.splitlines()[0]})"
+                        dead,
+                        f"{describe_exit(procs[dead])} (rank {rank} then failed: {value.splitlines()[0]})",
                     )
                 time.sleep(POLL_S / 4)
             raise RankFailedError(rank, value)
@@ -133,13 +134,20 @@ def _silently_dead(procs: list[Any], reported: dict[int, Any]) -> int | None:
     return None
 
 
-def _exit_note(proc: Any) -> str:
+def describe_exit(proc: Any) -> str:
+    """How a rank's process ended, for an error message (``killed by signal 9``, ``exited with code 1``)."""
     code = proc.exitcode
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
     return f"its process {how} without a result"
 
 
-def _stop(procs: list[Any]) -> None:
+def stop_processes(procs: list[Any], *, grace_s: float = 0.0) -> None:
+    """Make sure every process in ``procs`` has ended: each gets ``grace_s`` to exit on its own,
+    then is terminated, then (after ``TERMINATE_GRACE_S``) killed. Processes never started are skipped."""
+    procs = [p for p in procs if p.pid is not None]
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from warmcap.graphs.diff import DiffResult
-from warmcap.graphs.report import CaptureReport, GraphRecord
+from warmcap.graphs.report import CaptureReport, GraphRecord, RankRow
 
 BACKEND_EXPLAINED = {
     "cuda": "CUDA graphs were recorded with torch.cuda.CUDAGraph into one shared memory pool and "
@@ -63,6 +63,8 @@ def render(report: CaptureReport, console: Console) -> None:
     )
     for sample in a.violation_samples:
         console.print(f"  [red]- {sample}[/]")
+    if report.ranks:
+        console.print(_rank_table(report.ranks))
 
     s = report.spec_decode
     if s.num_drafts:
@@ -80,6 +82,20 @@ def render(report: CaptureReport, console: Console) -> None:
         console.print("[bold]timings[/]  " + ", ".join(timings))
     for note in report.notes:
         console.print(f"[yellow]note:[/] {note}")
+
+
+def _rank_table(ranks: list[RankRow]) -> Table:
+    """Tensor parallelism: each rank's own warmup audit and graph verification, and one verdict."""
+    verdict = "all ranks clean" if all(r.ok for r in ranks) else "NOT every rank clean"
+    table = Table(title=f"tensor-parallel ranks: {verdict}", title_justify="left")
+    for col in ("rank", "audit slots", "stray writes", "graphs verified"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        a = r.warmup_audit
+        stray = Text(str(a.violations), style="green" if a.violations == 0 else "red")
+        verified = Text(f"{r.graphs_verified}/{r.graphs}", style="green" if r.all_verified else "red")
+        table.add_row(str(r.rank), str(a.slots_checked), stray, verified)
+    return table
 
 
 def _print_cuda_safety(graphs: list[GraphRecord], console: Console) -> None:

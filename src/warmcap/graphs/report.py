@@ -115,6 +115,25 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RankRow:
+    """One tensor-parallel rank's start-up: its own warmup audit and graph verification."""
+
+    rank: int
+    warmup_audit: WarmupAudit = field(default_factory=WarmupAudit)
+    graphs: int = 0
+    graphs_verified: int = 0
+
+    @property
+    def all_verified(self) -> bool:
+        return self.graphs_verified == self.graphs
+
+    @property
+    def ok(self) -> bool:
+        """This rank audited clean and verified every graph."""
+        return self.all_verified and self.warmup_audit.violations == 0
+
+
+@dataclass(frozen=True, slots=True)
 class CaptureReport:
     """Everything start-up did to graphs, for one engine on one device."""
 
@@ -130,6 +149,8 @@ class CaptureReport:
     notes: list[str] = field(default_factory=list)
     #: the model ran with fixed-shape GEMM tiles (``ModelConfig.batch_invariant``)
     batch_invariant: bool = False
+    #: one row per tensor-parallel rank (empty on one device; the top-level fields are rank 0's)
+    ranks: list[RankRow] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -143,12 +164,12 @@ class CaptureReport:
 
     @property
     def totals(self) -> Totals:
-        """Count, capture seconds, memory and whether every graph verified."""
+        """Count, capture seconds, memory and whether every graph verified (on every rank)."""
         return Totals(
             count=len(self.graphs),
             seconds=sum(g.capture_seconds for g in self.graphs),
             bytes=sum(g.memory_bytes for g in self.graphs),
-            all_verified=all(g.verified for g in self.graphs),
+            all_verified=all(g.verified for g in self.graphs) and all(r.all_verified for r in self.ranks),
             cuda_unsafe=sum(g.cuda_safe is False for g in self.graphs),
         )
 
@@ -156,7 +177,7 @@ class CaptureReport:
         """Plain JSON-ready data (schema: ``capture_report.schema.json``)."""
         spec_decode = asdict(self.spec_decode)
         spec_decode["acceptance_length"] = self.spec_decode.acceptance_length
-        return {
+        data: dict[str, Any] = {
             "version": REPORT_VERSION,
             "model": self.model,
             "device": self.device,
@@ -171,6 +192,10 @@ class CaptureReport:
             "timings": {k: self.timings.get(k) for k in TIMING_KEYS},
             "notes": list(self.notes),
         }
+        if self.ranks:
+            # Only under tensor parallelism, so one-device reports keep their exact shape.
+            data["ranks"] = [{**asdict(r), "all_verified": r.all_verified} for r in self.ranks]
+        return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """The report as JSON text."""
@@ -202,6 +227,15 @@ class CaptureReport:
                 timings={k: v for k, v in data["timings"].items() if v is not None},
                 notes=list(data["notes"]),
                 batch_invariant=bool(data.get("batch_invariant", False)),
+                ranks=[
+                    RankRow(
+                        rank=r["rank"],
+                        warmup_audit=WarmupAudit(**r["warmup_audit"]),
+                        graphs=r["graphs"],
+                        graphs_verified=r["graphs_verified"],
+                    )
+                    for r in data.get("ranks", [])
+                ],
             )
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"capture report is malformed ({exc}): regenerate it") from None

@@ -12,7 +12,14 @@ import torch
 
 from warmcap.graphs.capture import CaptureResult, GraphCapturer
 from warmcap.graphs.graph_runner import GraphRunner
-from warmcap.graphs.report import CaptureReport, GraphRecord, SpecDecodeStats, SpecInfo, WarmupAudit
+from warmcap.graphs.report import (
+    CaptureReport,
+    GraphRecord,
+    RankRow,
+    SpecDecodeStats,
+    SpecInfo,
+    WarmupAudit,
+)
 from warmcap.graphs.verify import GraphCheck, verify_graphs
 from warmcap.models.batch_invariant import is_batch_invariant
 
@@ -75,6 +82,7 @@ class GraphStartup:
         warmup_audit: WarmupAudit | None = None,
         spec_decode: SpecDecodeStats | None = None,
         timings: dict[str, float | None] | None = None,
+        ranks: list[RankRow] | None = None,
     ) -> CaptureReport:
         """The capture report, with capture/verify timings filled in."""
         all_timings = dict(timings or {})
@@ -92,6 +100,7 @@ class GraphStartup:
             timings=all_timings,
             notes=list(self.notes),
             batch_invariant=is_batch_invariant(self.capturer.runner.model),
+            ranks=list(ranks or []),
         )
 
 

@@ -170,12 +170,13 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def check_tensor_parallel(cls: type[nn.Module]) -> None:
-    """ModelLoadError when tensor parallelism is on and ``cls`` cannot be sharded."""
-    state = parallel_state()
-    if state.is_parallel and not getattr(cls, "supports_tensor_parallel", False):
+def check_tensor_parallel(cls: type[nn.Module], world_size: int | None = None) -> None:
+    """ModelLoadError when tensor parallelism is on (``world_size`` > 1; default: this process's
+    parallel state) and ``cls`` cannot be sharded."""
+    world = parallel_state().world_size if world_size is None else world_size
+    if world > 1 and not getattr(cls, "supports_tensor_parallel", False):
         raise ModelLoadError(
             f"{cls.__name__} does not support tensor parallelism yet (MLA, MoE and Mamba layers are "
-            f"not sharded); got tensor_parallel_size = {state.world_size}: run it with "
+            f"not sharded); got tensor_parallel_size = {world}: run it with "
             "tensor_parallel_size = 1"
         )

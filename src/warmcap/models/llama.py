@@ -66,23 +66,38 @@ class HeadSplit:
 
 
 def head_split(num_heads: int, num_kv_heads: int, state: ParallelState) -> HeadSplit:
-    """Query heads split evenly; KV heads split evenly when there are at least as many as ranks,
-    else each rank holds a copy of the one KV head its query heads read (replicated).
+    """This rank's attention heads, split by KV group (a KV head and the ``g = num_heads //
+    num_kv_heads`` query heads that read it stay on one rank).
 
-    Either way a rank's query heads read only its own KV heads: with ``g = num_heads //
-    num_kv_heads`` query heads per KV head, local query head i reads local KV head ``i // g``.
+    With at least as many KV heads as ranks, rank r holds a contiguous run of whole KV groups; when
+    the KV heads do not divide by the world size the first ``num_kv_heads % world_size`` ranks hold
+    one group more (3 KV heads over 2 ranks: rank 0 KV heads 0-1 with query heads 0..2g-1, rank 1
+    KV head 2 with the rest). The column-parallel q/k/v and the row-parallel o take the matching
+    uneven slices, so the o all-reduce still sums every query head exactly once. With fewer KV heads
+    than ranks the query heads split evenly and each rank holds a copy of the one KV head its query
+    heads read (replicated).
+
+    Either way local query head i reads local KV head ``i // g``.
     """
-    q_start, q_size = split_evenly(num_heads, "num_attention_heads", state)
+    if num_heads % num_kv_heads:
+        raise ConfigError(
+            f"num_attention_heads = {num_heads} is not a multiple of num_key_value_heads = "
+            f"{num_kv_heads}; the checkpoint's config.json is inconsistent"
+        )
+    group = num_heads // num_kv_heads
     if num_kv_heads >= state.world_size:
-        kv_start, kv_size = split_evenly(num_kv_heads, "num_key_value_heads", state)
-        return HeadSplit(q_start, q_size, kv_start, kv_size)
+        base, extra = divmod(num_kv_heads, state.world_size)
+        kv_start = state.rank * base + min(state.rank, extra)
+        kv_size = base + (1 if state.rank < extra else 0)
+        return HeadSplit(kv_start * group, kv_size * group, kv_start, kv_size)
+    q_start, q_size = split_evenly(num_heads, "num_attention_heads", state)
     if state.world_size % num_kv_heads:
         raise ConfigError(
             f"num_key_value_heads = {num_kv_heads} is fewer than tensor_parallel_size = "
             f"{state.world_size} and does not divide it, so KV heads cannot be replicated evenly; "
-            "choose a tensor_parallel_size that is a multiple of the KV head count"
+            "choose a tensor_parallel_size that is a multiple of the KV head count, or at most it"
         )
-    return HeadSplit(q_start, q_size, q_start // (num_heads // num_kv_heads), 1)
+    return HeadSplit(q_start, q_size, q_start // group, 1)
 
 
 class LlamaAttention(nn.Module):

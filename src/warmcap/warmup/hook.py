@@ -11,6 +11,7 @@ from warmcap.warmup.run import WarmupResult, run_warmup
 
 if TYPE_CHECKING:
     from warmcap.startup_hooks import StartupContext
+    from warmcap.warmup.plan import WarmupPlan
 
 __all__ = ["AuditViolationError", "warmup_hook"]
 
@@ -22,7 +23,13 @@ VIOLATION_ADVICE = (
 )
 
 
-def warmup_hook(ctx: StartupContext, *, audit: bool | None = None, strict: bool = True) -> WarmupResult:
+def warmup_hook(
+    ctx: StartupContext,
+    *,
+    audit: bool | None = None,
+    strict: bool = True,
+    plan: WarmupPlan | None = None,
+) -> WarmupResult:
     """Plan warmup through the engine's own groups and pool size, run it audited, scrub; the
     engine keeps the result as ``startup_results["warmup"]``.
 
@@ -30,11 +37,15 @@ def warmup_hook(ctx: StartupContext, *, audit: bool | None = None, strict: bool 
     is on by default. Any violation raises :class:`AuditViolationError` (so ``LLM(...)`` fails)
     unless ``strict=False``, which leaves judging the result to the caller (``warmup run`` and
     ``warmup serve`` report it first).
+
+    ``plan``: a plan made elsewhere for the same groups and pool (tensor parallelism: rank 0 plans
+    once and every rank runs that plan, ``distributed/executor.py``) instead of planning here.
     """
     if audit is None:
         audit = ctx.device.type != "cuda"
     t0 = time.perf_counter()
-    plan = plan_warmup(ctx.config, ctx.kv_groups, ctx.num_blocks)
+    if plan is None:
+        plan = plan_warmup(ctx.config, ctx.kv_groups, ctx.num_blocks)
     planned = time.perf_counter() - t0
     ctx.report("warmup", f"planned {len(plan.steps)} steps in {planned:.2f} s", done=0, total=len(plan.steps))
     result = run_warmup(

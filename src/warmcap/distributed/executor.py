@@ -1,0 +1,300 @@
+"""Rank 0's side of a tensor-parallel engine: start the worker ranks, drive them, watch them.
+
+``LLMEngine`` (``engine.py``) builds a :class:`TPExecutor` when ``tensor_parallel_size > 1``,
+before it loads its own shard. The executor spawns ranks 1..N-1 (:mod:`warmcap.distributed.worker`),
+joins the group as rank 0 in the engine's own process and opens the command channel. From then on:
+
+- the engine's runner is a :class:`~warmcap.distributed.tp_runner.TPModelRunner` built by
+  :meth:`TPExecutor.make_runner`, which announces each step to the workers;
+- the pool size is the smallest over the ranks (:meth:`TPExecutor.agree_num_blocks`);
+- start-up hooks run on every rank in lockstep (:meth:`TPExecutor.run_hook`): the warmup plan is
+  made once, here, and sent with the hook; each rank audits its own KV writes, scrubs its own
+  tensors and verifies its own graphs; the summaries come back as per-rank report rows.
+
+Failures: workers are watched as :mod:`warmcap.distributed.spawn` watches ranks. Any error while the
+ranks work together becomes a :class:`~warmcap.distributed.spawn.RankFailedError` naming the rank
+that died or raised (a worker's own error message included), every worker is stopped, and the
+engine refuses further steps. :meth:`TPExecutor.shutdown` (also run at interpreter exit) stops the
+workers and leaves the group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import inspect
+import logging
+import pickle
+import queue as queue_mod
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing as mp
+
+from warmcap.config import EngineConfig
+from warmcap.distributed.channel import CommandChannel, RunHook, Stop
+from warmcap.distributed.rank_report import rank_rows, summarize
+from warmcap.distributed.rendezvous import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    Rendezvous,
+    join_group,
+    leave_group,
+    rendezvous_for,
+)
+from warmcap.distributed.spawn import DEATH_GRACE_S, POLL_S, RankFailedError, describe_exit, stop_processes
+from warmcap.distributed.tp_runner import TPModelRunner
+from warmcap.distributed.worker import worker_main
+from warmcap.errors import ConfigError, WarmcapError
+
+if TYPE_CHECKING:
+    from warmcap.graphs.report import RankRow
+    from warmcap.startup_hooks import StartupContext, StartupHook
+
+
+logger = logging.getLogger("warmcap.distributed")
+
+#: how long workers told to stop get to leave on their own before they are terminated
+STOP_GRACE_S = 5.0
+
+
+class TensorParallelStoppedError(WarmcapError):
+    """The engine's tensor-parallel group was shut down (or failed earlier): it runs no more steps."""
+
+
+class TPExecutor:
+    """Rank 0 of a tensor-parallel group; see the module docstring. Build with :meth:`start`."""
+
+    def __init__(self, world_size: int, procs: list[Any], errors: Any) -> None:
+        self.world_size = world_size
+        self._procs = procs
+        self._errors = errors
+        self._channel: CommandChannel | None = None
+        self._stopped: str | None = None
+        self._halted = False
+        #: hook name -> each rank's summary of its result, in rank order
+        self.summaries: dict[str, list[dict[str, Any]]] = {}
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig,
+        model_path: Path,
+        device: torch.device,
+        *,
+        timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    ) -> TPExecutor:
+        """Spawn ranks 1..N-1 and join the group as rank 0 in this process.
+
+        NOTE: the parallel state is process-global (``contracts/parallel.py``): one
+        tensor-parallel engine per process at a time, and a model built in this process before
+        :meth:`shutdown` is this rank's shard.
+        """
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise ConfigError(
+                "this process already belongs to a torch.distributed group (another tensor-parallel "
+                "engine is running): shut it down first (LLM.shutdown()), one TP engine per process"
+            )
+        n = config.tensor_parallel_size
+        rendezvous = rendezvous_for(n, device_type=device.type)
+        ctx = mp.get_context("spawn")
+        errors = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=worker_main,
+                args=(rank, rendezvous, config, model_path, device, timeout_s, errors),
+                name=f"warmcap-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, n)
+        ]
+        executor = cls(n, procs, errors)
+        atexit.register(executor.shutdown)
+        try:
+            for p in procs:
+                p.start()
+        except BaseException:
+            executor._halt()
+            raise
+        with executor.guarded():
+            executor._join(rendezvous, timeout_s)
+            executor._channel = CommandChannel.open(0, n)
+        return executor
+
+    def _join(self, rendezvous: Rendezvous, timeout_s: float) -> None:
+        """Join the group as rank 0, watching the workers meanwhile: one that dies before it joins
+        fails start-up at once instead of after the rendezvous timeout."""
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                join_group(0, rendezvous, timeout_s=timeout_s)
+            except BaseException as e:
+                failed.append(e)
+
+        # NOTE: a daemon thread: if a worker died, the rendezvous it waits in ends by its timeout.
+        joiner = threading.Thread(target=join, name="warmcap-tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(POLL_S)
+            if joiner.is_alive() and self._dead_worker() is not None:
+                raise self._failure(None)
+        if failed:
+            raise failed[0]
+
+    # ---- what the engine calls -------------------------------------------------------------------
+
+    @property
+    def channel(self) -> CommandChannel:
+        if self._channel is None:
+            raise TensorParallelStoppedError("the tensor-parallel group never started")
+        return self._channel
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [int(p.pid) for p in self._procs]
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The smallest of every rank's pool size, so every rank holds the same block ids."""
+        with self.guarded():
+            return self.channel.min_int(num_blocks)
+
+    def make_runner(self, *args: Any, **kwargs: Any) -> TPModelRunner:
+        """Rank 0's runner: ``ModelRunner``'s arguments; it announces its steps to the workers."""
+        return TPModelRunner(*args, channel=self.channel, guard=self.guarded, **kwargs)
+
+    def run_hook(self, hook: StartupHook, ctx: StartupContext) -> Any:
+        """Run start-up ``hook`` on every rank at once and keep each rank's summary; returns rank 0's
+        result. A warmup hook gets the plan made here, so every rank runs the same steps."""
+        from warmcap.startup_hooks import hook_name
+
+        name = hook_name(hook)
+        if name == "warmup" and "plan" in inspect.signature(hook).parameters:
+            from warmcap.warmup.planner import plan_warmup
+
+            hook = functools.partial(hook, plan=plan_warmup(ctx.config, ctx.kv_groups, ctx.num_blocks))
+        try:
+            pickle.dumps(hook)
+        except Exception as e:
+            raise ConfigError(
+                f"start-up hook {name!r} cannot be sent to the worker ranks ({type(e).__name__}: {e}); "
+                "under tensor parallelism a hook must be a module-level function or a functools.partial of one"
+            ) from None
+        with self.guarded():
+            self.channel.share(RunHook(hook))
+            with self.channel.in_lockstep():
+                result = hook(ctx)
+            gathered = self.channel.gather(summarize(name, result))
+        self.summaries[name] = gathered or []
+        return result
+
+    def rank_rows(self) -> list[RankRow]:
+        """One report row per rank: its warmup audit and graph verification."""
+        return rank_rows(self.summaries, self.world_size)
+
+    def shutdown(self) -> None:
+        """Stop every worker (asked first, then terminated) and leave the group; idempotent."""
+        if self._stopped is None:
+            self._stopped = "it was shut down"
+            if self._channel is not None:
+                # NOTE: a worker that died makes this raise; the processes are stopped below anyway.
+                with contextlib.suppress(Exception):
+                    self._channel.share(Stop())
+        self._halt(grace_s=STOP_GRACE_S)
+
+    # ---- failure -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Refuse work once the group is stopped; turn any error inside into the failure of the
+        rank that caused it (see :meth:`_failure`), stopping every worker first."""
+        if self._stopped is not None:
+            raise TensorParallelStoppedError(
+                f"the tensor-parallel group is stopped ({self._stopped}): start a new engine"
+            )
+        dead = self._dead_worker()
+        if dead is not None:
+            raise self._failure(None)
+        try:
+            yield
+        except BaseException as e:
+            failure = self._failure(e)
+            if failure is e:
+                raise
+            raise failure from e
+
+    def _failure(self, error: BaseException | None) -> BaseException:
+        """The error to raise for a failed group, after stopping it: the worker that reported an
+        error or died (waiting briefly for one: a peer's death is the likelier cause of rank 0's
+        error), else rank 0's own ``error``."""
+        end = time.monotonic() + (DEATH_GRACE_S if error is not None else 0.0)
+        culprit: RankFailedError | None = None
+        while culprit is None:
+            culprit = self._reported_error() or self._death()
+            if culprit is not None or time.monotonic() >= end:
+                break
+            time.sleep(POLL_S / 4)
+        self._stopped = (
+            str(culprit) if culprit is not None else f"rank 0 failed: {type(error).__name__}: {error}"
+        )
+        self._halt()
+        if culprit is not None:
+            return culprit
+        assert error is not None
+        return error
+
+    def _reported_error(self) -> RankFailedError | None:
+        try:
+            rank, message, trace = self._errors.get_nowait()
+        except (queue_mod.Empty, OSError, ValueError):
+            return None
+        return _reported(rank, message, trace)
+
+    def _death(self) -> RankFailedError | None:
+        rank = self._dead_worker()
+        if rank is None:
+            return None
+        # A worker that raised puts its error on the queue just before it exits.
+        with contextlib.suppress(queue_mod.Empty, OSError, ValueError):
+            r, message, trace = self._errors.get(timeout=POLL_S)
+            return _reported(r, message, trace)
+        what = describe_exit(self._procs[rank - 1])
+        if self._channel is None:
+            # Died before joining and reported nothing: most often the spawned process failed to
+            # import the script that started the engine.
+            what += (
+                " while starting; workers are spawned processes that import the main script, so a "
+                'script that starts a tensor-parallel engine must do it under if __name__ == "__main__":'
+            )
+        return RankFailedError(rank, what)
+
+    def _dead_worker(self) -> int | None:
+        for rank, p in enumerate(self._procs, start=1):
+            if p.exitcode is not None:
+                return rank
+        return None
+
+    def _halt(self, grace_s: float = 0.0) -> None:
+        # NOTE: once only: a late second call (the LLM's __del__ after shutdown()) must not leave
+        # the group of another engine started in this process since.
+        if self._halted:
+            return
+        self._halted = True
+        stop_processes(self._procs, grace_s=grace_s)
+        leave_group()
+        self._channel = None
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.shutdown)
+
+
+def _reported(rank: int, message: str, trace: str) -> RankFailedError:
+    """A worker's own error: its message in the exception, its traceback in the log."""
+    logger.error("tensor-parallel rank %d failed:\n%s", rank, trace)
+    return RankFailedError(rank, message)

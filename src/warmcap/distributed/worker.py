@@ -1,0 +1,123 @@
+"""A worker rank (1..N-1) of a tensor-parallel engine: its own process, model shard, KV tensors
+and runner, driven by rank 0's commands (:mod:`warmcap.distributed.channel`).
+
+Start-up mirrors ``LLMEngine.__init__`` (``engine.py``) step for step where the ranks must agree:
+load this rank's shard -> build the (replicated) drafter -> KV groups and this rank's pool size ->
+the smallest pool over the ranks -> KV cache manager and runner. Then the worker waits for commands
+until :class:`~warmcap.distributed.channel.Stop`. Any error is reported to rank 0 through
+``errors`` (rank, message, traceback) and the process exits with code 1: once one rank fails, the
+ranks are out of step and only a fresh group can go on.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from warmcap.assembly import assemble
+from warmcap.config import EngineConfig
+from warmcap.contracts.parallel import replicated
+from warmcap.core.kv_cache_manager import KVCacheManager
+from warmcap.distributed.channel import CommandChannel, RunHook, Step, Stop
+from warmcap.distributed.rank_report import summarize
+from warmcap.distributed.rendezvous import Rendezvous, join_group, leave_group
+from warmcap.distributed.tp_runner import TPModelRunner
+from warmcap.drafters import build_drafter
+from warmcap.kv_sizing import free_memory_bytes
+from warmcap.runner_v2.model_runner import TORCH_DTYPES
+from warmcap.startup_hooks import StartupContext, hook_name
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:rank`` on CUDA (one GPU per rank), else ``device`` itself."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def worker_main(
+    rank: int,
+    rendezvous: Rendezvous,
+    config: EngineConfig,
+    model_path: Path,
+    device: torch.device,
+    timeout_s: float,
+    errors: Any,
+) -> None:
+    """The worker process: join the group, build this rank, serve commands until told to stop."""
+    try:
+        join_group(rank, rendezvous, timeout_s=timeout_s)
+        channel = CommandChannel.open(rank, rendezvous.world_size)
+        serve_commands(build_rank(rank, config, model_path, device, channel), channel)
+    except BaseException as e:
+        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        leave_group()
+        raise SystemExit(1) from None
+    leave_group()
+
+
+def build_rank(
+    rank: int, config: EngineConfig, model_path: Path, device: torch.device, channel: CommandChannel
+) -> StartupContext:
+    """This rank's shard, drafter, KV groups, pool (the ranks' smallest), manager and runner, as the
+    start-up context its hooks run on. ``config`` is rank 0's finished config."""
+    from warmcap.models.loader import load_hf_config, load_model
+    from warmcap.runner_v2.attention.selector import select_backend
+
+    device = rank_device(device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    hf_config = load_hf_config(model_path)
+    free_bytes = free_memory_bytes(device)
+    torch.manual_seed(config.model.seed)
+    model = load_model(
+        model_path,
+        dtype=TORCH_DTYPES[config.model.dtype],
+        device=device,
+        batch_invariant=config.model.batch_invariant,
+    )
+    with replicated():
+        drafter = build_drafter(config, model)
+    assembly = assemble(config, hf_config, model, drafter, device=device, free_bytes=free_bytes)
+    num_blocks = channel.min_int(assembly.num_blocks)
+    config = assembly.config
+    manager = KVCacheManager(
+        assembly.kv_groups,
+        num_blocks,
+        max_model_len=config.max_model_len,
+        enable_caching=config.cache.enable_prefix_caching,
+    )
+    runner = TPModelRunner(
+        config,
+        model,
+        assembly.kv_groups,
+        num_blocks,
+        device=device,
+        attn_backend=select_backend(device, name=config.model.attention_backend),
+        drafter=drafter,
+        channel=channel,
+    )
+    return StartupContext(
+        config=config,
+        device=device,
+        kv_groups=assembly.kv_groups,
+        num_blocks=num_blocks,
+        kv_cache_manager=manager,
+        runner=runner,
+    )
+
+
+def serve_commands(ctx: StartupContext, channel: CommandChannel) -> None:
+    """Run rank 0's commands on this rank until :class:`Stop`."""
+    while True:
+        command = channel.share()
+        if isinstance(command, Stop):
+            return
+        if isinstance(command, Step):
+            ctx.runner.execute_model(command.scheduler_output)
+        elif isinstance(command, RunHook):
+            result = command.hook(ctx)
+            channel.gather(summarize(hook_name(command.hook), result))
+        else:
+            raise TypeError(f"worker got an unknown command {command!r} from rank 0")
