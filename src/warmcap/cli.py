@@ -685,7 +685,7 @@ def accept(
     else:
         render_measurement(measurement, console)
         if comparison is None:
-            console.print(f"baseline written to {baseline_path}", highlight=False)
+            console.print(f"baseline written to {baseline_path}", highlight=False, soft_wrap=True)
         else:
             render_comparison(comparison, baseline_path, console)
     if comparison is not None and not comparison.passed:

@@ -251,16 +251,22 @@ def free_port() -> int:
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_smollm2_through_warmup_serve_measures_what_in_process_measures(smollm2_ngram: dict) -> None:
+def test_smollm2_through_warmup_serve_measures_what_in_process_measures(
+    smollm2_ngram: dict, tmp_path: Path
+) -> None:
     port = free_port()
     src = str(Path(warmcap.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-c", "from warmcap.cli import main; main()", "serve", "-q"]
     cmd += ["--model", "smollm2-135m", "--spec", "ngram:3", "--port", str(port), *SERVE_ARGS]
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "serve.log"
+    # NOTE: a log file, not a pipe: nobody reads a pipe while the test runs, and a full one blocks
+    # the server.
+    with log.open("w") as sink:
+        server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=sink)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(server, url)
+        wait_ready(server, url, log)
         # A server started with another setting is refused before any prompt is sent.
         other = invoke("--model", "smollm2-135m", "--spec", "draft_model:2", "--url", url)
         assert other.exit_code == 2 and "drafts with ngram:3 but --spec is draft_model:2" in other.stderr
@@ -281,11 +287,11 @@ def test_smollm2_through_warmup_serve_measures_what_in_process_measures(smollm2_
             server.wait(10)
 
 
-def wait_ready(server: subprocess.Popen, url: str, timeout: float = 600) -> None:
+def wait_ready(server: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(f"warmup serve exited {server.returncode}: {server.stderr.read()[-2000:]}")
+            raise AssertionError(f"warmup serve exited {server.returncode}: {log.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return

@@ -6,6 +6,9 @@ under vLLM's names, as Prometheus text. An in-process engine renders its counter
 ``/metrics``. Both go through :func:`read_acceptance`, so the three paths cannot disagree on what
 the numbers mean. A run is the difference of the counters after and before the prompt set.
 
+Prompts go one at a time, greedy, in every path. NOTE: batch composition can move float sums and
+so a greedy tie; one request at a time makes in-process, server and proxy runs agree exactly.
+
 The prompt set ships in ``warmup/data`` and the baselines in ``warmup/baselines``; a baseline
 pins the model, the speculative setting, the prompt set (by hash) and ``max_tokens``, since
 acceptance of one workload says nothing about another.
@@ -298,7 +301,14 @@ def measure_server(
     the counters from ``metrics_url`` (default: ``url``'s ``/metrics``; a P/D proxy passes the
     decode server's, where drafting happens)."""
     import httpx
-    import openai
+
+    try:
+        import openai
+    except ImportError:
+        raise WarmcapError(
+            "--url needs the openai client, which warmcap installs only with its test extra: "
+            "pip install 'openai==3.51.0'"
+        ) from None
 
     base = url.rstrip("/")
     scrape_url = (metrics_url or base).rstrip("/")
@@ -347,6 +357,7 @@ def _measure(
     source: str, read: Callable[[], Acceptance], requests: Iterable[int], num_positions: int
 ) -> Measurement:
     before = read()
+    # ``requests`` is lazy: the prompts run here, between the two readings.
     tokens = sum(requests)
     return Measurement(source, read().since(before).padded(num_positions), tokens)
 
