@@ -178,6 +178,18 @@ def test_a_hand_edited_rate_or_a_missing_baseline_is_exit_2(tiny_baseline: Path,
     res = invoke(*TINY, "--baseline", str(path))
     assert res.exit_code == 2 and "disagree with the counts: edit the counts" in res.stderr
 
+    counts = data["acceptance"]["accepted_per_pos"]
+    rising = acc.Acceptance(
+        data["acceptance"]["num_drafts"],
+        data["acceptance"]["num_draft_tokens"],
+        sum(counts),
+        tuple(reversed(counts)),
+    )
+    assert rising.accepted_per_pos != tuple(counts)
+    path.write_text(json.dumps({**data, "acceptance": rising.to_json()}))
+    res = invoke(*TINY, "--baseline", str(path))
+    assert res.exit_code == 2 and "rises with the position" in res.stderr
+
     res = invoke("--model", "tiny-llama", "--spec", "ngram:5")
     assert res.exit_code == 2
     assert "tiny-llama_ngram-5.json' does not exist (shipped: smollm2-135m_" in " ".join(res.stderr.split())

@@ -17,6 +17,7 @@ acceptance of one workload says nothing about another.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterable
@@ -163,6 +164,11 @@ class Acceptance:
         per_pos = tuple(data["accepted_per_pos"])
         if not all(isinstance(v, int) and v >= 0 for v in (*counts, *per_pos)):
             raise ValueError("counts must be non-negative integers")
+        if any(a < b for a, b in itertools.pairwise((counts[0], *per_pos))):
+            raise ValueError(
+                f"accepted_per_pos {list(per_pos)} rises with the position or exceeds num_drafts "
+                f"{counts[0]}: a draft accepted at position i + 1 was accepted at i"
+            )
         if sum(per_pos) != counts[2]:
             raise ValueError(
                 f"accepted_per_pos sums to {sum(per_pos)} but num_accepted_tokens is {counts[2]}"
