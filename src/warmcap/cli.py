@@ -632,20 +632,21 @@ def accept(
     from pathlib import Path
 
     from warmcap.warmup import accept as acc
+    from warmcap.warmup import accept_baseline as ab
     from warmcap.warmup.accept_view import accept_json, render_comparison, render_measurement
 
     speculative = acc.parse_spec(spec)
     prompt_set = acc.load_prompt_set(Path(prompts) if prompts else None)
-    baseline_path = Path(baseline) if baseline else acc.default_baseline_path(model, speculative)
+    baseline_path = Path(baseline) if baseline else ab.default_baseline_path(model, speculative)
     stored = None
     if write_baseline:
-        acc.check_baseline_target(baseline_path)
+        ab.check_baseline_target(baseline_path)
     else:
-        acc.check_rtol(rtol)
-        stored = acc.load_baseline(baseline_path)
+        ab.check_rtol(rtol)
+        stored = ab.load_baseline(baseline_path)
         if max_tokens is None:
             max_tokens = stored.max_tokens
-        acc.check_baseline_matches(
+        ab.check_baseline_matches(
             stored, baseline_path, model=model, spec=speculative, prompt_set=prompt_set, max_tokens=max_tokens
         )
     if max_tokens is None:
@@ -660,21 +661,21 @@ def accept(
     console = Console()
     comparison = None
     if write_baseline:
-        record = acc.Baseline(
+        record = ab.Baseline(
             model=model,
-            spec=acc.spec_identity(speculative),
+            spec=ab.spec_identity(speculative),
             prompt_set_sha256=prompt_set.sha256,
             max_tokens=max_tokens,
             acceptance=measurement.acceptance,
             notes={"source": measurement.source, "completion_tokens": measurement.completion_tokens},
         )
-        acc.write_baseline(record, baseline_path)
+        ab.write_baseline(record, baseline_path)
     if stored is not None:
-        comparison = acc.compare(stored.acceptance, measurement.acceptance, rtol)
+        comparison = ab.compare(stored.acceptance, measurement.acceptance, rtol)
     if as_json:
         doc = accept_json(
             model=model,
-            spec=acc.spec_identity(speculative),
+            spec=ab.spec_identity(speculative),
             prompt_set=prompt_set,
             max_tokens=max_tokens,
             measurement=measurement,

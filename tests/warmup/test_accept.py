@@ -27,6 +27,8 @@ from warmcap.errors import WarmcapError
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.serve.metrics import ServingMetrics
 from warmcap.warmup import accept as acc
+from warmcap.warmup import accept_baseline as ab
+from warmcap.warmup.acceptance import Acceptance, read_acceptance
 
 runner = CliRunner()
 TINY = ["--model", "tiny-llama", "--spec", "ngram:3"]
@@ -68,7 +70,7 @@ def metrics_of(observations) -> SpecDecodeMetrics:
 def test_counters_read_back_exactly_and_rates_never_rise_with_position(before, after) -> None:
     first = metrics_of(before)
     both = metrics_of(before + after)
-    reading = acc.read_acceptance(both.to_prometheus({"model_name": "m"}))
+    reading = read_acceptance(both.to_prometheus({"model_name": "m"}))
     assert reading.num_drafts == both.num_drafts
     assert reading.num_draft_tokens == both.num_draft_tokens
     assert reading.num_accepted_tokens == both.num_accepted_tokens
@@ -77,7 +79,7 @@ def test_counters_read_back_exactly_and_rates_never_rise_with_position(before, a
     rates = reading.per_position_rates
     assert all(a >= b for a, b in itertools.pairwise(rates))
     # A run is the counters' difference: exactly what the later observations alone would count.
-    delta = reading.since(acc.read_acceptance(first.to_prometheus()))
+    delta = reading.since(read_acceptance(first.to_prometheus()))
     alone = metrics_of(after)
     assert delta.num_drafts == alone.num_drafts
     assert delta.num_accepted_tokens == alone.num_accepted_tokens
@@ -88,24 +90,22 @@ def test_server_exposition_is_read_for_its_model_only() -> None:
     ours, theirs = metrics_of([(3, 2), (3, 0), (3, 3)]), metrics_of([(3, 3)] * 5)
     text = ServingMetrics("ours", lambda: ours, 3).render().decode()
     text += theirs.to_prometheus({"model_name": "theirs"})
-    reading = acc.read_acceptance(text, model_name="ours")
+    reading = read_acceptance(text, model_name="ours")
     assert (reading.num_drafts, reading.accepted_per_pos) == (3, (2, 2, 1))
     with pytest.raises(WarmcapError, match="no vllm:spec_decode_num_drafts_total counter"):
-        acc.read_acceptance("# nothing here\nup 1\n")
+        read_acceptance("# nothing here\nup 1\n")
 
 
 def test_compare_fails_a_drop_beyond_rtol_and_only_flags_a_rise() -> None:
-    base = acc.Acceptance(10, 30, 15, (8, 5, 2))
-    assert acc.compare(base, base, 0.0).passed
-    worse = acc.Acceptance(10, 30, 14, (8, 5, 1))
-    result = acc.compare(base, worse, 0.05)
+    base = Acceptance(10, 30, 15, (8, 5, 2))
+    assert ab.compare(base, base, 0.0).passed
+    worse = Acceptance(10, 30, 14, (8, 5, 1))
+    result = ab.compare(base, worse, 0.05)
     assert [c.status for c in result.checks] == ["PASS", "PASS", "PASS", "FAIL"]
     assert not result.passed
     # 4 % lower is inside 5 %: a tolerance, not a demand for equality.
-    assert acc.compare(
-        acc.Acceptance(100, 300, 150, (80, 50, 20)), acc.Acceptance(100, 300, 149, (80, 50, 19))
-    ).passed
-    better = acc.compare(worse, base, 0.05)
+    assert ab.compare(Acceptance(100, 300, 150, (80, 50, 20)), Acceptance(100, 300, 149, (80, 50, 19))).passed
+    better = ab.compare(worse, base, 0.05)
     assert better.passed and better.checks[-1].status == "HIGH"
 
 
@@ -135,7 +135,7 @@ def test_a_position_raised_20_percent_in_the_baseline_fails_and_is_named(
     counts = list(data["accepted_per_pos"])
     assert counts[0] > 0
     counts[0] = -(-counts[0] * 12 // 10)
-    raised = acc.Acceptance(data["num_drafts"], data["num_draft_tokens"], sum(counts), tuple(counts))
+    raised = Acceptance(data["num_drafts"], data["num_draft_tokens"], sum(counts), tuple(counts))
     path = doctored(tiny_baseline, tmp_path / "raised.json", acceptance=raised.to_json())
 
     res = invoke(*TINY, "--baseline", str(path))
@@ -179,7 +179,7 @@ def test_a_hand_edited_rate_or_a_missing_baseline_is_exit_2(tiny_baseline: Path,
     assert res.exit_code == 2 and "disagree with the counts: edit the counts" in res.stderr
 
     counts = data["acceptance"]["accepted_per_pos"]
-    rising = acc.Acceptance(
+    rising = Acceptance(
         data["acceptance"]["num_drafts"],
         data["acceptance"]["num_draft_tokens"],
         sum(counts),
@@ -203,24 +203,24 @@ SHIPPED = ["smollm2-135m_ngram-3.json", "smollm2-135m_draft_model-2.json"]
 
 
 def test_shipped_baselines_describe_the_shipped_prompt_set() -> None:
-    assert set(SHIPPED) <= set(acc.shipped_baselines())
+    assert set(SHIPPED) <= set(ab.shipped_baselines())
     sha = acc.load_prompt_set().sha256
     kinds = {p.kind for p in acc.load_prompt_set().prompts}
     assert kinds == {"chat", "completion"}
     for name in SHIPPED:
         spec = acc.parse_spec(name.removeprefix("smollm2-135m_").removesuffix(".json").replace("-", ":"))
-        path = acc.default_baseline_path("smollm2-135m", spec)
-        base = acc.load_baseline(path)
+        path = ab.default_baseline_path("smollm2-135m", spec)
+        base = ab.load_baseline(path)
         assert (base.model, base.prompt_set_sha256, base.spec) == (
             "smollm2-135m",
             sha,
-            acc.spec_identity(spec),
+            ab.spec_identity(spec),
         )
-    ngram = acc.load_baseline(acc.default_baseline_path("smollm2-135m", acc.parse_spec("ngram:3")))
+    ngram = ab.load_baseline(ab.default_baseline_path("smollm2-135m", acc.parse_spec("ngram:3")))
     rates = ngram.acceptance.per_position_rates
     assert len(rates) == 3 and all(0 < r < 1 for r in rates), rates
     # The model drafting for itself accepts every token (exact speculation), so any drop is a bug.
-    self_draft = acc.load_baseline(acc.default_baseline_path("smollm2-135m", acc.parse_spec("draft_model:2")))
+    self_draft = ab.load_baseline(ab.default_baseline_path("smollm2-135m", acc.parse_spec("draft_model:2")))
     assert self_draft.acceptance.per_position_rates == (1.0, 1.0)
 
 

@@ -1,53 +1,35 @@
-"""``warmup accept``: speculative acceptance on a fixed prompt set, compared with a stored baseline.
+"""``warmup accept``: run a fixed prompt set and measure speculative acceptance.
 
 Acceptance is read the way an operator reads it in production: from the spec-decode counters
-under vLLM's names, as Prometheus text. An in-process engine renders its counters with
-:meth:`SpecDecodeMetrics.to_prometheus`; a server (or a P/D proxy in front of one) serves them at
-``/metrics``. Both go through :func:`read_acceptance`, so the three paths cannot disagree on what
-the numbers mean. A run is the difference of the counters after and before the prompt set.
+under vLLM's names (:mod:`warmcap.warmup.acceptance`), in-process or from a server's ``/metrics``,
+so the paths cannot disagree on what the numbers mean. A run is the difference of the counters
+after and before the prompt set; :mod:`warmcap.warmup.accept_baseline` compares it with a baseline.
 
 Prompts go one at a time, greedy, in every path. NOTE: batch composition can move float sums and
 so a greedy tie; one request at a time makes in-process, server and proxy runs agree exactly.
-
-The prompt set ships in ``warmup/data`` and the baselines in ``warmup/baselines``; a baseline
-pins the model, the speculative setting, the prompt set (by hash) and ``max_tokens``, since
-acceptance of one workload says nothing about another.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from warmcap import __version__
 from warmcap.errors import WarmcapError
+from warmcap.warmup.acceptance import Acceptance, read_acceptance
 
 if TYPE_CHECKING:
     from warmcap.config import SpeculativeConfig
 
 PROMPT_SET = "accept_prompts.jsonl"
 DEFAULT_MAX_TOKENS = 24
-DEFAULT_RTOL = 0.05
 IN_PROCESS_MAX_MODEL_LEN = 512
-BASELINE_FORMAT = 1
-
-_PREFIX = "vllm:spec_decode_"
-_DRAFTS = _PREFIX + "num_drafts_total"
-_DRAFT_TOKENS = _PREFIX + "num_draft_tokens_total"
-_ACCEPTED = _PREFIX + "num_accepted_tokens_total"
-_PER_POS = _PREFIX + "num_accepted_tokens_per_pos_total"
 
 Kind = Literal["chat", "completion"]
-Status = Literal["PASS", "FAIL", "HIGH"]
 
 
 # ---- the prompt set ------------------------------------------------------------------------------
@@ -104,119 +86,6 @@ def load_prompt_set(path: Path | None = None) -> PromptSet:
     return PromptSet(tuple(prompts), hashlib.sha256(canonical.encode()).hexdigest())
 
 
-# ---- acceptance from the counters ----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Acceptance:
-    """Spec-decode counter values (or the difference of two readings).
-
-    ``accepted_per_pos[i]`` counts drafts whose first ``i + 1`` tokens were all accepted, so the
-    per-position rates never increase with the position.
-    """
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: tuple[int, ...] = ()
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens a verify step yields: 1 + accepted / drafts (1.0 without drafts)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def per_position_rates(self) -> tuple[float, ...]:
-        """Fraction of drafts accepted up to and including each position."""
-        if not self.num_drafts:
-            return tuple(0.0 for _ in self.accepted_per_pos)
-        return tuple(c / self.num_drafts for c in self.accepted_per_pos)
-
-    def padded(self, num_positions: int) -> Acceptance:
-        """The same counts with the per-position series extended by zeros to ``num_positions``."""
-        extra = num_positions - len(self.accepted_per_pos)
-        return replace(self, accepted_per_pos=self.accepted_per_pos + (0,) * max(extra, 0))
-
-    def since(self, before: Acceptance) -> Acceptance:
-        """What was counted after ``before`` was read (counters only grow)."""
-        n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
-        now, then = self.padded(n), before.padded(n)
-        return Acceptance(
-            self.num_drafts - before.num_drafts,
-            self.num_draft_tokens - before.num_draft_tokens,
-            self.num_accepted_tokens - before.num_accepted_tokens,
-            tuple(a - b for a, b in zip(now.accepted_per_pos, then.accepted_per_pos, strict=True)),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_pos": list(self.accepted_per_pos),
-            "acceptance_length": self.acceptance_length,
-            "per_position_rates": list(self.per_position_rates),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Acceptance:
-        counts = (data["num_drafts"], data["num_draft_tokens"], data["num_accepted_tokens"])
-        per_pos = tuple(data["accepted_per_pos"])
-        if not all(isinstance(v, int) and v >= 0 for v in (*counts, *per_pos)):
-            raise ValueError("counts must be non-negative integers")
-        if any(a < b for a, b in itertools.pairwise((counts[0], *per_pos))):
-            raise ValueError(
-                f"accepted_per_pos {list(per_pos)} rises with the position or exceeds num_drafts "
-                f"{counts[0]}: a draft accepted at position i + 1 was accepted at i"
-            )
-        if sum(per_pos) != counts[2]:
-            raise ValueError(
-                f"accepted_per_pos sums to {sum(per_pos)} but num_accepted_tokens is {counts[2]}"
-            )
-        acceptance = cls(*counts, per_pos)
-        # NOTE: the rates are written for readers and derived from the counts on load; a hand edit
-        # of a rate alone would otherwise be ignored silently.
-        derived = [acceptance.acceptance_length, *acceptance.per_position_rates]
-        written = [data.get("acceptance_length", derived[0]), *data.get("per_position_rates", derived[1:])]
-        if len(written) != len(derived) or not all(
-            math.isclose(w, d, rel_tol=1e-9) for w, d in zip(written, derived, strict=True)
-        ):
-            raise ValueError(
-                "acceptance_length or per_position_rates disagree with the counts: edit the counts"
-            )
-        return acceptance
-
-
-def read_acceptance(text: str, *, model_name: str | None = None) -> Acceptance:
-    """The four spec-decode counters of a Prometheus text exposition.
-
-    Samples labelled with another ``model_name`` are ignored (a scrape may cover several models).
-    Raises :class:`WarmcapError` when the text has no spec-decode counters at all.
-    """
-    totals = {_DRAFTS: 0, _DRAFT_TOKENS: 0, _ACCEPTED: 0}
-    per_pos: dict[int, int] = {}
-    seen = False
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            if model_name is not None and labels.get("model_name", model_name) != model_name:
-                continue
-            if sample.name in totals:
-                totals[sample.name] += int(sample.value)
-                seen = True
-            elif sample.name == _PER_POS:
-                pos = int(labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0) + int(sample.value)
-    if not seen:
-        who = f" for model {model_name!r}" if model_name else ""
-        raise WarmcapError(
-            f"no {_DRAFTS} counter{who} in the metrics: the endpoint is not a warmcap or vLLM server "
-            "with speculative decoding, or it serves another model"
-        )
-    ordered = tuple(per_pos.get(i, 0) for i in range(max(per_pos, default=-1) + 1))
-    return Acceptance(totals[_DRAFTS], totals[_DRAFT_TOKENS], totals[_ACCEPTED], ordered)
-
-
 # ---- measuring -----------------------------------------------------------------------------------
 
 
@@ -227,19 +96,6 @@ class Measurement:
     source: str
     acceptance: Acceptance
     completion_tokens: int
-
-
-def spec_identity(spec: SpeculativeConfig) -> dict[str, Any]:
-    """The fields of a speculative setting that change what is drafted (ngram's lookup window only
-    for ngram)."""
-    ident: dict[str, Any] = {
-        "method": spec.method,
-        "num_speculative_tokens": spec.num_speculative_tokens,
-        "model": spec.model,
-    }
-    if spec.method == "ngram":
-        ident |= {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
-    return ident
 
 
 def parse_spec(text: str) -> SpeculativeConfig:
@@ -355,7 +211,7 @@ def measure_server(
             raise WarmcapError(f"cannot reach {url} ({exc}): is the server up?") from None
         return usage.completion_tokens if usage else 0
 
-    _check_server_spec(base, spec)
+    _check_server_spec(scrape_url.removesuffix("/metrics"), spec)
     return _measure(base, scrape, map(one, prompt_set.prompts), spec.num_speculative_tokens)
 
 
@@ -379,8 +235,8 @@ def _check_positions(reading: Acceptance, spec: SpeculativeConfig, where: str) -
 
 
 def _check_server_spec(base: str, spec: SpeculativeConfig) -> None:
-    """Refuse a warmcap server started with another method (``/startup`` names it); servers
-    without that endpoint (vLLM, a proxy) are taken at their word."""
+    """Refuse a warmcap server (the one whose counters are read) started with another setting:
+    its ``/startup`` report names it. Servers without that endpoint (vLLM) are taken at their word."""
     import httpx
 
     try:
@@ -391,201 +247,10 @@ def _check_server_spec(base: str, spec: SpeculativeConfig) -> None:
     method, k = served.get("method"), served.get("num_speculative_tokens")
     if method is None and k is None:
         return
+    if method is None:
+        raise WarmcapError(f"the server at {base} does not speculate: start it with --spec {spec.short()}")
     if (method, k) != (spec.method, spec.num_speculative_tokens):
         raise WarmcapError(
             f"the server at {base} drafts with {method}:{k} but --spec is {spec.short()}: pass the "
             "server's own setting, or start it with --spec " + spec.short()
         )
-
-
-# ---- baselines -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Baseline:
-    """The acceptance one setting reached on one prompt set, kept in the repository."""
-
-    model: str
-    spec: dict[str, Any]
-    prompt_set_sha256: str
-    max_tokens: int
-    acceptance: Acceptance
-    warmcap_version: str = __version__
-    #: how it was measured (informational: CPU greedy runs are deterministic)
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        data = {
-            "format": BASELINE_FORMAT,
-            "model": self.model,
-            "spec": self.spec,
-            "prompt_set_sha256": self.prompt_set_sha256,
-            "max_tokens": self.max_tokens,
-            "warmcap_version": self.warmcap_version,
-            "notes": self.notes,
-            "acceptance": self.acceptance.to_json(),
-        }
-        return json.dumps(data, indent=1) + "\n"
-
-
-def check_baseline_target(path: Path) -> None:
-    """Refuse a baseline path that cannot be written, before a run spends minutes measuring."""
-    if path.is_dir() or not path.parent.is_dir():
-        raise WarmcapError(f"cannot write baseline {str(path)!r}: give a file path in an existing folder")
-
-
-def write_baseline(baseline: Baseline, path: Path) -> None:
-    try:
-        path.write_text(baseline.to_json(), encoding="utf-8")
-    except OSError as exc:
-        raise WarmcapError(
-            f"cannot write baseline {str(path)!r} ({exc.strerror}): check that its folder exists and is writable"
-        ) from None
-
-
-def default_baseline_path(model: str, spec: SpeculativeConfig) -> Path:
-    """Where the shipped baseline for ``model`` and ``spec`` lives (whether or not it exists)."""
-    name = f"{Path(model).name}_{spec.method}-{spec.num_speculative_tokens}.json"
-    return Path(str(resources.files("warmcap.warmup") / "baselines" / name))
-
-
-def shipped_baselines() -> list[str]:
-    folder = resources.files("warmcap.warmup") / "baselines"
-    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".json"))
-
-
-def load_baseline(path: Path) -> Baseline:
-    """Read a baseline file; any defect is a :class:`WarmcapError` naming the file."""
-    hint = "write one with `warmup accept --write-baseline --baseline PATH`"
-    if not path.is_file():
-        shipped = ", ".join(shipped_baselines()) or "none"
-        raise WarmcapError(f"baseline {str(path)!r} does not exist (shipped: {shipped}): {hint}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("format") != BASELINE_FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {BASELINE_FORMAT}")
-        return Baseline(
-            model=str(data["model"]),
-            spec=dict(data["spec"]),
-            prompt_set_sha256=str(data["prompt_set_sha256"]),
-            max_tokens=int(data["max_tokens"]),
-            acceptance=Acceptance.from_json(data["acceptance"]),
-            warmcap_version=str(data["warmcap_version"]),
-            notes=dict(data.get("notes", {})),
-        )
-    except (
-        OSError,
-        UnicodeDecodeError,
-        json.JSONDecodeError,
-        KeyError,
-        TypeError,
-        ValueError,
-        AttributeError,
-    ) as exc:
-        raise WarmcapError(f"baseline {str(path)!r} is not a valid baseline ({exc}): {hint}") from None
-
-
-def check_baseline_matches(
-    baseline: Baseline,
-    path: Path,
-    *,
-    model: str,
-    spec: SpeculativeConfig,
-    prompt_set: PromptSet,
-    max_tokens: int,
-) -> None:
-    """Refuse to compare a run with a baseline of another model, setting or workload."""
-    wanted = spec_identity(spec)
-    mismatches = []
-    if baseline.model != model:
-        mismatches.append(f"model {baseline.model!r} (this run: {model!r})")
-    if baseline.spec != wanted:
-        mismatches.append(f"spec {_spec_text(baseline.spec)} (this run: {_spec_text(wanted)})")
-    if baseline.prompt_set_sha256 != prompt_set.sha256:
-        mismatches.append(
-            f"prompt set {baseline.prompt_set_sha256[:12]} (this run: {prompt_set.sha256[:12]})"
-        )
-    if baseline.max_tokens != max_tokens:
-        mismatches.append(f"max_tokens {baseline.max_tokens} (this run: {max_tokens})")
-    if mismatches:
-        raise WarmcapError(
-            f"baseline {str(path)!r} was measured for another run: "
-            + "; ".join(mismatches)
-            + ": pass the matching --baseline, or record one with --write-baseline"
-        )
-
-
-def _spec_text(ident: dict[str, Any]) -> str:
-    text = f"{ident.get('method')}:{ident.get('num_speculative_tokens')}"
-    return text + (f"@{ident['model']}" if ident.get("model") else "")
-
-
-# ---- comparison ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    """One compared number: the acceptance length (``position`` None) or one position's rate."""
-
-    name: str
-    position: int | None
-    baseline: float
-    measured: float
-    status: Status
-
-    @property
-    def delta(self) -> float:
-        return self.measured - self.baseline
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "position": self.position,
-            "baseline": self.baseline,
-            "measured": self.measured,
-            "delta": self.delta,
-            "status": self.status,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Comparison:
-    rtol: float
-    checks: tuple[Check, ...]
-
-    @property
-    def passed(self) -> bool:
-        return all(c.status != "FAIL" for c in self.checks)
-
-
-def check_rtol(rtol: float) -> None:
-    if not 0 <= rtol < 1:
-        raise WarmcapError(f"--rtol must be in [0, 1) (0.05 is 5%); got {rtol}")
-
-
-def compare(baseline: Acceptance, measured: Acceptance, rtol: float = DEFAULT_RTOL) -> Comparison:
-    """Judge each number against the baseline: FAIL when it fell by more than ``rtol`` (relative),
-    HIGH when it rose by more (not a regression, but the baseline no longer describes the run)."""
-    check_rtol(rtol)
-    if len(baseline.accepted_per_pos) != len(measured.accepted_per_pos):
-        raise WarmcapError(
-            f"the baseline has {len(baseline.accepted_per_pos)} draft positions, the run "
-            f"{len(measured.accepted_per_pos)}: they measured different settings"
-        )
-    pairs = [("acceptance length", None, baseline.acceptance_length, measured.acceptance_length)]
-    pairs += [
-        (f"position {i}", i, b, m)
-        for i, (b, m) in enumerate(zip(baseline.per_position_rates, measured.per_position_rates, strict=True))
-    ]
-    return Comparison(rtol, tuple(Check(n, p, b, m, _status(b, m, rtol)) for n, p, b, m in pairs))
-
-
-def _status(baseline: float, measured: float, rtol: float) -> Status:
-    # NOTE: isclose first, so a run equal to its baseline passes at rtol 0 despite float rounding.
-    if math.isclose(measured, baseline, rel_tol=1e-12, abs_tol=1e-12):
-        return "PASS"
-    if measured < baseline * (1 - rtol):
-        return "FAIL"
-    if measured > baseline * (1 + rtol):
-        return "HIGH"
-    return "PASS"

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-    from warmcap.warmup.accept import Comparison, Measurement, PromptSet
+    from warmcap.warmup.accept import Measurement, PromptSet
+    from warmcap.warmup.accept_baseline import Comparison
 
 _STYLE = {"PASS": "green", "FAIL": "bold red", "HIGH": "yellow"}
 
