@@ -241,11 +241,12 @@ def _check_server_spec(base: str, spec: SpeculativeConfig) -> None:
 
     try:
         response = httpx.get(base + "/startup", timeout=30)
-        served = response.json().get("spec", {}) if response.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return
-    method, k = served.get("method"), served.get("num_speculative_tokens")
-    if method is None and k is None:
+        if response.status_code != 200:
+            return
+        # The report's spec: {"method": name or None, "k": draft tokens} (graphs/report.py SpecInfo).
+        served = response.json()["spec"]
+        method, k = served["method"], served["k"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return
     if method is None:
         raise WarmcapError(f"the server at {base} does not speculate: start it with --spec {spec.short()}")
