@@ -633,3 +633,104 @@ def serve(
     if failure is not None:
         err.print(f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure)}", highlight=False)
         raise typer.Exit(1)
+
+
+# ---- warmup accept -------------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def accept(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
+    spec: str = typer.Option(..., "--spec", "--speculative-config", "-s", help=SPEC_HELP),
+    url: str = typer.Option(
+        None, help="Measure the OpenAI server (or P/D proxy) at this URL instead of an in-process engine."
+    ),
+    metrics_url: str = typer.Option(
+        None, help="Where the spec-decode counters are scraped (default: --url); a proxy's decode server."
+    ),
+    api_key: str = typer.Option(None, envvar="WARMCAP_API_KEY", help="Bearer key of the server at --url."),
+    baseline: str = typer.Option(
+        None, help="Baseline JSON (default: the one shipped for --model and --spec, if any)."
+    ),
+    rtol: float = typer.Option(0.05, help="Relative drop of any checked number that counts as a regression."),
+    write_baseline: bool = typer.Option(
+        False,
+        "--write-baseline",
+        help="Record this run as the baseline (to --baseline) instead of comparing.",
+    ),
+    max_tokens: int = typer.Option(None, help="New tokens per prompt (default: the baseline's, else 24)."),
+    prompts: str = typer.Option(None, help="A JSONL prompt set (default: the shipped one)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+    quiet: bool = _quiet_option(),
+    verbose: bool = _verbose_option(),
+) -> None:
+    """Measure speculative acceptance on a fixed prompt set and compare it with a stored baseline.
+
+    Reads vLLM's spec-decode counters (in-process, or from the server's /metrics). Exits 1 when the
+    acceptance length or any position's acceptance rate fell by more than --rtol, 2 on a missing,
+    invalid or mismatched baseline.
+    """
+    import json
+    from pathlib import Path
+
+    from warmcap.warmup import accept as acc
+    from warmcap.warmup import accept_baseline as ab
+    from warmcap.warmup.accept_view import accept_json, render_comparison, render_measurement
+
+    speculative = acc.parse_spec(spec)
+    prompt_set = acc.load_prompt_set(Path(prompts) if prompts else None)
+    baseline_path = Path(baseline) if baseline else ab.default_baseline_path(model, speculative)
+    stored = None
+    if write_baseline:
+        ab.check_baseline_target(baseline_path)
+    else:
+        ab.check_rtol(rtol)
+        stored = ab.load_baseline(baseline_path)
+        if max_tokens is None:
+            max_tokens = stored.max_tokens
+        ab.check_baseline_matches(
+            stored, baseline_path, model=model, spec=speculative, prompt_set=prompt_set, max_tokens=max_tokens
+        )
+    if max_tokens is None:
+        max_tokens = acc.DEFAULT_MAX_TOKENS
+    if url:
+        measurement = acc.measure_server(
+            url, model, speculative, prompt_set, max_tokens, metrics_url=metrics_url, api_key=api_key
+        )
+    else:
+        with _watched_startup(quiet=quiet or as_json, verbose=verbose):
+            measurement = acc.measure_in_process(model, speculative, prompt_set, max_tokens)
+    console = Console()
+    comparison = None
+    if write_baseline:
+        record = ab.Baseline(
+            model=model,
+            spec=ab.spec_identity(speculative),
+            prompt_set_sha256=prompt_set.sha256,
+            max_tokens=max_tokens,
+            acceptance=measurement.acceptance,
+            notes={"source": measurement.source, "completion_tokens": measurement.completion_tokens},
+        )
+        ab.write_baseline(record, baseline_path)
+    if stored is not None:
+        comparison = ab.compare(stored.acceptance, measurement.acceptance, rtol)
+    if as_json:
+        doc = accept_json(
+            model=model,
+            spec=ab.spec_identity(speculative),
+            prompt_set=prompt_set,
+            max_tokens=max_tokens,
+            measurement=measurement,
+            baseline_path=baseline_path,
+            comparison=comparison,
+        )
+        typer.echo(json.dumps(doc, indent=1))
+    else:
+        render_measurement(measurement, console)
+        if comparison is None:
+            console.print(f"baseline written to {baseline_path}", highlight=False, soft_wrap=True)
+        else:
+            render_comparison(comparison, baseline_path, console)
+    if comparison is not None and not comparison.passed:
+        raise typer.Exit(1)
