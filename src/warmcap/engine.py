@@ -243,7 +243,12 @@ class LLMEngine:
             check_transfer_params(kv_transfer_params, self.config)
         req_id = request_id if request_id is not None else self._next_id()
         self._enqueue(
-            req_id, text, token_ids, params, external=num_external_computed_tokens, transfer=kv_transfer_params
+            req_id,
+            text,
+            token_ids,
+            params,
+            external=num_external_computed_tokens,
+            transfer=kv_transfer_params,
         )
         return req_id
 

@@ -242,11 +242,18 @@ class NixlConnectorWorker(KVConnectorWorker):
                     "{group: [ids]} as a warmcap prefill server returns it"
                 )
             remote_ids = {targets[0]: remote_ids[""]}
+        missing = [g.name for g in self.groups if g.name not in remote_ids]
+        if missing:
+            # NOTE: a drafter whose prompt KV was never written would read garbage (the seed bug:
+            # acceptance drops although the output is right), so the request is refused instead.
+            raise KVTransferError(
+                f"the prefill instance sent no KV for this engine's groups {missing} (it sent "
+                f"{sorted(remote_ids)}): a decode instance that drafts needs its drafter's prompt KV too; "
+                "start the prefill server with the same --spec and kv_role kv_both"
+            )
         local, far = [], []
         for group in self.groups:
-            theirs = remote_ids.get(group.name)
-            if theirs is None:
-                continue
+            theirs = remote_ids[group.name]
             bs = group.spec.block_size
             mine = job.block_ids.get(group.name, [])
             num_loaded = job.num_local_tokens + job.num_external_tokens
