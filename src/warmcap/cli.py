@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from warmcap import __version__
-from warmcap.errors import NonFiniteLogitsError, WarmcapError
+from warmcap.errors import ConfigError, NonFiniteLogitsError, WarmcapError
 
 app = typer.Typer(
     name="warmup",
@@ -550,6 +550,11 @@ def serve(
         False, "--enforce-eager", help="Capture no graphs: every step runs eagerly (start-up is faster)."
     ),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
+    poison_free_kv: bool = typer.Option(
+        False,
+        "--poison-free-kv",
+        help="Debug: fill every free KV block with NaN before the first request (a read of KV never written shows up as an error).",
+    ),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),
 ) -> None:
@@ -577,7 +582,13 @@ def serve(
         enforce_eager=enforce_eager,
     )
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
-    options = ServeOptions(api_key=api_key, backend=backend, capture_sizes=sizes, audit_serving=audit_serving)
+    options = ServeOptions(
+        api_key=api_key,
+        backend=backend,
+        capture_sizes=sizes,
+        audit_serving=audit_serving,
+        poison_free_kv=poison_free_kv,
+    )
     # A server logs its start-up phases (INFO; every step with --verbose) instead of drawing them:
     # its stderr is a log, and start-up runs in the app's own thread.
     from logging import INFO
@@ -590,3 +601,27 @@ def serve(
     if failure is not None:
         err.print(f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure)}", highlight=False)
         raise typer.Exit(1)
+
+
+# ---- warmup proxy --------------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def proxy(
+    prefill: str = typer.Option(
+        ..., "--prefill", help="Base URL of the prefill server (kv_producer), e.g. http://127.0.0.1:8100."
+    ),
+    decode: str = typer.Option(
+        ..., "--decode", help="Base URL of the decode server (kv_consumer), e.g. http://127.0.0.1:8200."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+) -> None:
+    """P/D proxy: each request prefills on --prefill (one token), then decodes on --decode with the KV read from it."""
+    from warmcap.serve.proxy import run_proxy
+
+    for name, url in (("--prefill", prefill), ("--decode", decode)):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{name} {url!r} is not a URL: give http://HOST:PORT of a warmup serve")
+    run_proxy(prefill, decode, host=host, port=port)
