@@ -553,7 +553,7 @@ def serve(
     poison_free_kv: bool = typer.Option(
         False,
         "--poison-free-kv",
-        help="Debug: fill every free KV block with NaN before the first request (a read of KV never written shows up as an error).",
+        help="Debug: fill every free KV block with a large poison value before the first request (a visible read of KV never written changes the output).",
     ),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),

@@ -43,7 +43,7 @@ class ServeOptions:
     on_failure: Callable[[str], None] | None = field(default=None, compare=False)
     #: seconds the lifespan waits for the engine thread at shutdown
     shutdown_timeout: float = 30.0
-    #: fill every free KV block with NaN once start-up is done (a debugging check, ``kv_transfer/poison.py``)
+    #: fill every free KV block with a poison value once start-up is done (a debugging check, ``kv_transfer/poison.py``)
     poison_free_kv: bool = False
 
 
