@@ -132,6 +132,9 @@ class Cluster:
         for proc in procs:
             proc.wait_ready(deadline)
 
+    def wait_ready_within(self, proc: Proc, seconds: float) -> None:
+        proc.wait_ready(time.monotonic() + seconds)
+
     def close(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
