@@ -63,6 +63,15 @@ class Proc:
             time.sleep(0.25)
         raise TimeoutError(f"{self.name} not ready after {STARTUP_TIMEOUT_S} s:\n{self.log_tail()}")
 
+    def health(self, timeout: float = 60.0) -> int:
+        """The status of ``/health`` once the process answers at all."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with contextlib.suppress(httpx.TransportError):
+                return httpx.get(self.base_url + "/health", timeout=30).status_code
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} does not answer:\n{self.log_tail()}")
+
     def metrics(self) -> dict[tuple[str, frozenset], float]:
         out = {}
         for family in text_string_to_metric_families(httpx.get(self.base_url + "/metrics", timeout=10).text):
@@ -131,9 +140,6 @@ class Cluster:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for proc in procs:
             proc.wait_ready(deadline)
-
-    def wait_ready_within(self, proc: Proc, seconds: float) -> None:
-        proc.wait_ready(time.monotonic() + seconds)
 
     def close(self) -> None:
         for proc in reversed(self.procs):
