@@ -61,9 +61,11 @@ def _prefill(p: LLMEngine, prompt: list[int], req_id: str = "p") -> dict:
                 return out.kv_transfer_params
 
 
-def _decode(d: LLMEngine, prompt: list[int], params: dict | None, req_id: str = "d") -> RequestOutput:
+def _decode(d: LLMEngine, prompt: list[int], params: dict | None, req_id: str, p: LLMEngine) -> RequestOutput:
+    """D's answer; P steps alongside, as its server would (it drives its side of the transfer)."""
     d.add_request({"prompt_token_ids": prompt}, GREEDY, req_id, kv_transfer_params=params)
     while True:
+        p.step()
         for out in d.step():
             if out.finished and out.request_id == req_id:
                 return out
@@ -105,7 +107,7 @@ def test_d_reads_p_blocks_and_decodes_as_a_standalone_engine(pair) -> None:
             p.step()
         assert _held(p) == held > 0
         before = _per_pos(d), _per_pos(s)
-        got = _decode(d, prompt, params, f"d{i}")
+        got = _decode(d, prompt, params, f"d{i}", p)
         (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
         assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids
         d_pos = [a - b for a, b in zip(_per_pos(d), before[0], strict=True)]
@@ -122,7 +124,7 @@ def test_poisoned_free_blocks_change_nothing_but_catch_kv_never_loaded(pair) -> 
     prompt = _prompt(40, seed=7)
     (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
     assert poison_free_blocks(d) > 0
-    got = _decode(d, prompt, _prefill(p, prompt, "p-poison"), "d-poison")
+    got = _decode(d, prompt, _prefill(p, prompt, "p-poison"), "d-poison", p)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     # Without a transfer the "loaded" blocks still hold poison, and the output shows it.
     fresh = _engine(None, "draft_model:2")
@@ -150,7 +152,7 @@ def test_a_wrong_engine_id_ends_the_request_and_frees_both_sides(pair) -> None:
     prompt = _prompt(33, seed=3)
     params = _prefill(p, prompt, "p-wrong-id")
     _assert_failed(
-        _decode(d, prompt, {**params, "remote_engine_id": "nobody"}, "d-wrong-id"), "does not match"
+        _decode(d, prompt, {**params, "remote_engine_id": "nobody"}, "d-wrong-id", p), "does not match"
     )
     assert _held(d) == 0
     # D told P it will not read: P frees at once, long before its 120 s deadline.
@@ -158,7 +160,7 @@ def test_a_wrong_engine_id_ends_the_request_and_frees_both_sides(pair) -> None:
     assert _held(p) == 0
     # Both go on serving.
     (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
-    got = _decode(d, prompt, _prefill(p, prompt, "p-after"), "d-after")
+    got = _decode(d, prompt, _prefill(p, prompt, "p-after"), "d-after", p)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
@@ -168,10 +170,11 @@ def test_block_ids_that_do_not_match_the_prompt_end_the_request(pair) -> None:
     # The same P blocks offered for a longer prompt: they cannot hold its KV.
     longer = _prompt(60, seed=4)
     _assert_failed(
-        _decode(d, longer, {**params, "remote_num_tokens": None}, "d-short"), "do not belong to this prompt"
+        _decode(d, longer, {**params, "remote_num_tokens": None}, "d-short", p),
+        "do not belong to this prompt",
     )
     # P's prompt length differs from D's: refused before any block is read.
-    _assert_failed(_decode(d, longer, params, "d-len"), "computed 20 prompt tokens but this prompt has 60")
+    _assert_failed(_decode(d, longer, params, "d-len", p), "computed 20 prompt tokens but this prompt has 60")
     _drain(p, 5)
     assert _held(p) == 0 and _held(d) == 0
 
@@ -183,7 +186,7 @@ def test_an_unreachable_producer_ends_the_request(pair) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         closed = sock.getsockname()[1]
-    _assert_failed(_decode(d, prompt, {**params, "remote_port": closed}, "d-gone"), "cannot reach")
+    _assert_failed(_decode(d, prompt, {**params, "remote_port": closed}, "d-gone", p), "cannot reach")
     assert _held(d) == 0
     _drain(p, 0.2)
     assert _held(p) > 0  # P never heard from D: it keeps the blocks until its deadline
@@ -205,7 +208,7 @@ def test_a_producer_without_a_drafter_is_refused_by_a_drafting_consumer(pair) ->
     p = _engine("kv_producer")
     prompt = _prompt(33, seed=6)
     params = _prefill(p, prompt)
-    _assert_failed(_decode(d, prompt, params, "d-no-draft"), "drafter's prompt KV")
+    _assert_failed(_decode(d, prompt, params, "d-no-draft", p), "drafter's prompt KV")
     _drain(p, 5)
     assert _held(p) == 0 and _held(d) == 0
 
@@ -243,7 +246,7 @@ def test_seed_cases_start_up_and_serve_with_no_stray_write(spec: str) -> None:
     s = _engine(None, spec)
     for i, n in enumerate((16, 31, 47)):
         prompt = _prompt(n, seed=10 + i)
-        got = _decode(d, prompt, _prefill(p, prompt, f"p{i}"), f"d{i}")
+        got = _decode(d, prompt, _prefill(p, prompt, f"p{i}"), f"d{i}", p)
         (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
         assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids
     assert (

@@ -107,7 +107,11 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._regions = layer_regions(kv_caches, layer_groups, self.groups)
         tensors = list(kv_caches.values())
         self._mem_type = "DRAM" if tensors[0].get_device() < 0 else "VRAM"
-        self._agent = nixl_agent(self.engine_id, nixl_agent_config(backends=["UCX"]))
+        # NOTE: no progress thread: NIXL's spins without pause and would take a core from the model;
+        # the engine thread drives transfers when it polls them each step.
+        self._agent = nixl_agent(
+            self.engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self._agent.register_memory(tensors)
         self._described = {
             "engine_id": self.engine_id,
