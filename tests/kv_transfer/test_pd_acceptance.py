@@ -20,7 +20,7 @@ ENGINE = ["--num-blocks", "96", "--max-model-len", "256", "--max-num-seqs", "4",
 def _prompts() -> list[list[int]]:
     # Lengths around block edges (16 tokens a block): loads of 0, 1, 2 and more full/partial blocks.
     rng = random.Random(13)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 16, 17, 33, 40, 64)]
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 17, 40, 64)]
 
 
 @pytest.mark.parametrize("spec", ["eagle:3", "dflash:7", "draft_model:2"])
@@ -47,7 +47,7 @@ def test_pd_through_the_proxy_equals_a_standalone_server(spec: str, tmp_path) ->
             kw = {
                 "model": TINY,
                 "prompt": prompt,
-                "max_tokens": 24,
+                "max_tokens": 16,
                 "temperature": 0,
                 "extra_body": {"ignore_eos": True},
             }
@@ -57,15 +57,15 @@ def test_pd_through_the_proxy_equals_a_standalone_server(spec: str, tmp_path) ->
             assert got.usage == want.usage
         stream = proxy.client().completions.create(
             model=TINY,
-            prompt=_prompts()[3],
-            max_tokens=24,
+            prompt=_prompts()[2],
+            max_tokens=16,
             temperature=0,
             stream=True,
             extra_body={"ignore_eos": True},
         )
         streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         want = s.client().completions.create(
-            model=TINY, prompt=_prompts()[3], max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+            model=TINY, prompt=_prompts()[2], max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
         )
         assert streamed == want.choices[0].text
         # Greedy on CPU is deterministic: D drafts and accepts exactly as the standalone server.
