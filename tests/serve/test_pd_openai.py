@@ -31,10 +31,12 @@ def _server(role: str):
 
 @pytest.fixture(scope="module")
 def pd():
-    with _server("kv_producer") as p, _server("kv_consumer") as d:
+    # NOTE: one after the other: two engine threads importing transformers at once can race.
+    with _server("kv_producer") as p:
         p.wait_ready()
-        d.wait_ready()
-        yield p, d
+        with _server("kv_consumer") as d:
+            d.wait_ready()
+            yield p, d
 
 
 def _post(srv, path: str, **body) -> httpx.Response:
