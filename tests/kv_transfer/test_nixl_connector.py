@@ -119,6 +119,16 @@ def test_d_reads_p_blocks_and_decodes_as_a_standalone_engine(pair) -> None:
     assert d.kv_connector_worker.stats.num_reads == 3
 
 
+def test_a_prompt_with_nothing_to_read_lets_p_free_at_once(pair) -> None:
+    p, d, s = pair
+    prompt = [42]  # its one token is computed on D: no block to read
+    got = _decode(d, prompt, _prefill(p, prompt, "p-one"), "d-one", p)
+    (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    _drain(p, 5)
+    assert _held(p) == 0 and _held(d) == 0
+
+
 def test_poisoned_free_blocks_change_nothing_but_catch_kv_never_loaded(pair) -> None:
     p, d, s = pair
     prompt = _prompt(40, seed=7)

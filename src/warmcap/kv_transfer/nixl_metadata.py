@@ -29,3 +29,5 @@ class NixlMetadata(KVConnectorMetadata):
     sends: dict[str, float] = field(default_factory=dict)
     #: requests that finished or were aborted since the last step (a read of theirs must stop)
     stopped: set[str] = field(default_factory=set)
+    #: D: P's requests whose blocks D will not read (nothing to load): P may free them now
+    releases: list[RemotePrefill] = field(default_factory=list)

@@ -35,12 +35,20 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.keep_seconds = keep_seconds
         self._reads: list[ReadJob] = []
         self._sends: dict[str, float] = {}
+        self._releases: dict[str, RemotePrefill] = {}
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if not wants_remote_prefill(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
             return 0
-        # The scheduler keeps the last prompt token to compute here (its logits give a token).
-        return request.num_prompt_tokens - num_computed_tokens
+        # The last prompt token is always computed here (its logits give the first token).
+        count = request.num_prompt_tokens - 1 - num_computed_tokens
+        if count <= 0:
+            # Nothing to read (a one-token prompt, or every block a local hit): P must not wait
+            # for a read that never comes.
+            assert params is not None
+            self._releases[request.request_id] = RemotePrefill.parse(params)
+        return max(count, 0)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: BlockIds, num_external_tokens: int
@@ -60,9 +68,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlMetadata:
         meta = NixlMetadata(
-            reads=self._reads, sends=self._sends, stopped=set(scheduler_output.finished_req_ids)
+            reads=self._reads,
+            sends=self._sends,
+            stopped=set(scheduler_output.finished_req_ids),
+            releases=list(self._releases.values()),
         )
-        self._reads, self._sends = [], {}
+        self._reads, self._sends, self._releases = [], {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict | None]:

@@ -28,7 +28,7 @@ from warmcap.kv_transfer.layout import (
     regions_to_json,
 )
 from warmcap.kv_transfer.nixl_metadata import NixlMetadata, ReadJob
-from warmcap.kv_transfer.params import KVTransferError
+from warmcap.kv_transfer.params import KVTransferError, RemotePrefill
 from warmcap.kv_transfer.side_channel import SideChannelServer, ask
 
 if TYPE_CHECKING:
@@ -142,6 +142,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         for req_id in metadata.stopped & set(self._reads):
             self._stop_read(self._reads.pop(req_id))
         self._kept.update(metadata.sends)
+        for remote in metadata.releases:
+            self._release(remote)
         for job in metadata.reads:
             try:
                 self._start_read(job)
@@ -334,8 +336,10 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _fail(self, job: ReadJob, message: str) -> None:
         self._errors[job.request_id] = message
         log.warning("warmcap: request %s: %s", job.request_id, message)
-        # Best effort: P frees the blocks now rather than at its deadline.
-        remote = job.remote
+        self._release(job.remote)
+
+    def _release(self, remote: RemotePrefill) -> None:
+        """Tell P that its blocks for ``remote`` will not be read (best effort: else its deadline frees them)."""
         with contextlib.suppress(KVTransferError):
             ask(
                 remote.host,
