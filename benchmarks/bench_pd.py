@@ -135,11 +135,11 @@ def main() -> None:
     urls = {}
     servers = []
     try:
+        # One after the other: engine threads importing transformers at once can race.
         for name, app in apps.items():
             urls[name], server, thread = serve_thread(app)
             servers.append((server, thread))
-        for url in urls.values():
-            wait_healthy(url)
+            wait_healthy(urls[name])
         urls["proxy"], server, thread = serve_thread(build_proxy(urls["P"], urls["D"]))
         servers.append((server, thread))
         prompts = load_prompts(args.num_prompts)
