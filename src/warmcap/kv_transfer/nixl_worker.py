@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from warmcap.core.reservation import blocks_covering
 from warmcap.kv_transfer.base import KVConnectorWorker
 from warmcap.kv_transfer.layout import (
     LayerRegion,
@@ -260,11 +261,11 @@ class NixlConnectorWorker(KVConnectorWorker):
             bs = group.spec.block_size
             mine = job.block_ids.get(group.name, [])
             num_loaded = job.num_local_tokens + job.num_external_tokens
-            need = -(-num_loaded // bs)
-            if len(theirs) < need or len(theirs) > -(-job.num_prompt_tokens // bs) + len(mine):
+            need = blocks_covering(num_loaded, bs)
+            if len(theirs) < need or len(theirs) > blocks_covering(job.num_prompt_tokens, bs) + len(mine):
                 raise KVTransferError(
                     f"remote_block_ids[{group.name!r}] has {len(theirs)} blocks, but a {job.num_prompt_tokens}-token "
-                    f"prompt needs {-(-job.num_prompt_tokens // bs)} of {bs} tokens: the block ids do not belong "
+                    f"prompt needs {blocks_covering(job.num_prompt_tokens, bs)} of {bs} tokens: the block ids do not belong "
                     "to this prompt; send both servers the same prompt and P's kv_transfer_params unchanged"
                 )
             layers = [layer for layer in group.layer_names if layer in self._regions]
