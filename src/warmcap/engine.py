@@ -308,7 +308,8 @@ class LLMEngine:
             self.abort(req_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or blocks a producer keeps for a peer (steps poll for its read)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.sending)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns an output for every request that gained tokens.

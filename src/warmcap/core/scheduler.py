@@ -125,8 +125,7 @@ class Scheduler:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or KV transfers to see through (loads in flight, blocks kept for a peer)."""
-        return bool(self.waiting or self.running or self.loading or self.sending)
+        return bool(self.waiting or self.running or self.loading)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.loading)
