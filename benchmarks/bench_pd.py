@@ -162,10 +162,12 @@ def main() -> None:
             f"| {mode} | {r['ttft_median_s']:.3f} | {r['e2e_median_s']:.3f} | {r['tok_per_s_concurrent']:.1f} |"
         )
     per_request = stats.num_bytes / max(stats.num_reads, 1)
+    seconds_per_read = stats.seconds / max(stats.num_reads, 1)
     rate = stats.num_bytes / stats.seconds / 1e9 if stats.seconds else 0.0
     print(
-        f"KV reads on D: {stats.num_reads}, {per_request / 1e6:.2f} MB per request, "
-        f"{rate:.2f} GB/s (bytes over the seconds from posting a READ to seeing it done)"
+        f"KV reads on D: {stats.num_reads}, {per_request / 1e3:.1f} KB per request, "
+        f"{seconds_per_read * 1e3:.1f} ms per read, {rate:.4f} GB/s (bytes over the time from posting a READ "
+        "to seeing it done, which includes waiting for P's next poll)"
     )
 
 
