@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from warmcap import __version__
-from warmcap.errors import NonFiniteLogitsError, WarmcapError
+from warmcap.errors import ConfigError, NonFiniteLogitsError, WarmcapError
 
 app = typer.Typer(
     name="warmup",
@@ -592,6 +592,11 @@ def serve(
     ),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
     tensor_parallel_size: int = _tp_option(),
+    poison_free_kv: bool = typer.Option(
+        False,
+        "--poison-free-kv",
+        help="Debug: fill every free KV block with a large poison value before the first request (a visible read of KV never written changes the output).",
+    ),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),
 ) -> None:
@@ -620,7 +625,13 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
     )
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
-    options = ServeOptions(api_key=api_key, backend=backend, capture_sizes=sizes, audit_serving=audit_serving)
+    options = ServeOptions(
+        api_key=api_key,
+        backend=backend,
+        capture_sizes=sizes,
+        audit_serving=audit_serving,
+        poison_free_kv=poison_free_kv,
+    )
     # A server logs its start-up phases (INFO; every step with --verbose) instead of drawing them:
     # its stderr is a log, and start-up runs in the app's own thread.
     from logging import INFO
@@ -734,3 +745,27 @@ def accept(
             render_comparison(comparison, baseline_path, console)
     if comparison is not None and not comparison.passed:
         raise typer.Exit(1)
+
+
+# ---- warmup proxy --------------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def proxy(
+    prefill: str = typer.Option(
+        ..., "--prefill", help="Base URL of the prefill server (kv_producer), e.g. http://127.0.0.1:8100."
+    ),
+    decode: str = typer.Option(
+        ..., "--decode", help="Base URL of the decode server (kv_consumer), e.g. http://127.0.0.1:8200."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+) -> None:
+    """P/D proxy: each request prefills on --prefill (one token), then decodes on --decode with the KV read from it."""
+    from warmcap.serve.proxy import run_proxy
+
+    for name, url in (("--prefill", prefill), ("--decode", decode)):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{name} {url!r} is not a URL: give http://HOST:PORT of a warmup serve")
+    run_proxy(prefill, decode, host=host, port=port)

@@ -29,6 +29,8 @@ from warmcap.drafters import build_drafter
 from warmcap.errors import ConfigError, NonFiniteLogitsError
 from warmcap.graphs.hook import graph_capture_hook
 from warmcap.kv_sizing import free_memory_bytes
+from warmcap.kv_transfer.factory import build_kv_connector
+from warmcap.kv_transfer.params import check_transfer_params
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.models.decoder import check_tensor_parallel
 from warmcap.models.registry import model_class
@@ -162,8 +164,12 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
         )
+        connector = build_kv_connector(config, self.kv_groups)
         self.scheduler = Scheduler(
-            config, self.kv_cache_manager, eos_token_id=_eos_id(self.tokenizer, hf_config)
+            config,
+            self.kv_cache_manager,
+            eos_token_id=_eos_id(self.tokenizer, hf_config),
+            connector=None if connector is None else connector[0],
         )
         make_runner = ModelRunner if executor is None else executor.make_runner
         self.runner = make_runner(
@@ -223,6 +229,11 @@ class LLMEngine:
             )
             self.startup_timings[name] = time.perf_counter() - t_hook
             notify(observer, StartupEvent(name, finished=True, seconds=self.startup_timings[name]))
+        #: the KV connector's worker side (P/D; None without ``kv_transfer``), attached once warmup
+        #: and graph capture are done with the KV cache
+        self.kv_connector_worker = None if connector is None else connector[1]
+        if self.kv_connector_worker is not None:
+            self.runner.attach_kv_connector(self.kv_connector_worker)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker ranks (nothing to do on one device); idempotent. The
@@ -250,13 +261,17 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         num_external_computed_tokens: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> str:
         """Queue one prompt (text, token ids, or a ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``
         dict); returns its request id. Everything is checked before anything is queued.
 
         ``num_external_computed_tokens``: leading prompt tokens whose KV is loaded from outside (a
         P/D consumer's remote prefill) instead of computed here; the request waits, running no
-        forward, until they have arrived (``core/scheduler.py``)."""
+        forward, until they have arrived (``core/scheduler.py``).
+
+        ``kv_transfer_params``: the reference engine's P/D parameters (``{"do_remote_decode": true}``
+        on a prefill instance, the prefill instance's answer on a decode instance; ``docs/pd.md``)."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ConfigError(
@@ -269,8 +284,17 @@ class LLMEngine:
                 f"num_external_computed_tokens {num_external_computed_tokens} is outside 0..{len(token_ids) - 1}: "
                 "at most every prompt token but the last can be loaded (the last is computed here to sample)"
             )
+        if kv_transfer_params is not None:
+            check_transfer_params(kv_transfer_params, self.config)
         req_id = request_id if request_id is not None else self._next_id()
-        self._enqueue(req_id, text, token_ids, params, external=num_external_computed_tokens)
+        self._enqueue(
+            req_id,
+            text,
+            token_ids,
+            params,
+            external=num_external_computed_tokens,
+            transfer=kv_transfer_params,
+        )
         return req_id
 
     def _next_id(self) -> str:
@@ -292,12 +316,18 @@ class LLMEngine:
         index: int = 0,
         *,
         external: int = 0,
+        transfer: dict | None = None,
     ) -> None:
         now = time.monotonic()
         if params.min_tokens:
             params = params.with_eos(self.scheduler.eos_token_id)
         request = Request(
-            req_id, list(token_ids), params, arrival_time=now, num_external_computed_tokens=external
+            req_id,
+            list(token_ids),
+            params,
+            arrival_time=now,
+            num_external_computed_tokens=external,
+            kv_transfer_params=None if transfer is None else dict(transfer),
         )
         self.scheduler.add_request(request)
         self._requests[req_id] = _Tracked(
@@ -323,7 +353,8 @@ class LLMEngine:
             self.abort(req_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or blocks a producer keeps for a peer (steps poll for its read)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.sending)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns an output for every request that gained tokens.
@@ -342,6 +373,7 @@ class LLMEngine:
                 runner_out = self.runner.execute_model(sched_out)
             logits = self._step_logits(sched_out)
             results = self.scheduler.update_from_output(sched_out, runner_out)
+            failed = self._end_failed_loads(runner_out.failed_recving)
         except BaseException:
             self._abort_all(sched_out.num_scheduled_tokens)
             self._release_rows(
@@ -372,6 +404,18 @@ class LLMEngine:
                 m.finished_time = now
                 del self._requests[res.req_id]
             outputs.append(tracked.output(self.decode, res.new_token_ids, res.finish_reason))
+        return outputs + failed
+
+    def _end_failed_loads(self, failures: dict[str, str]) -> list[RequestOutput]:
+        """Requests whose KV could not be loaded end now, freeing their blocks; each output says why."""
+        outputs = []
+        for req_id, reason in failures.items():
+            tracked = self._requests.pop(req_id, None)
+            self.scheduler.abort_request(req_id)
+            if tracked is not None:
+                out = tracked.output(self.decode, [], "abort")
+                out.error = reason
+                outputs.append(out)
         return outputs
 
     def _audited(self) -> contextlib.AbstractContextManager[None]:

@@ -69,6 +69,7 @@ class TrackedRequest:
             metrics=self.metrics,
             finished=finish_reason is not None,
             new_token_ids=list(new_token_ids),
+            kv_transfer_params=req.kv_transfer_params if finish_reason is not None else None,
         )
 
 

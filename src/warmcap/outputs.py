@@ -68,6 +68,10 @@ class RequestOutput:
     metrics: RequestMetrics
     finished: bool = False
     new_token_ids: list[int] = field(default_factory=list)
+    #: P/D: what the KV connector hands back (a prefill instance's block ids for the decode instance)
+    kv_transfer_params: dict | None = None
+    #: why the request ended early (a failed KV transfer); None for a request that ran
+    error: str | None = None
 
     @property
     def text(self) -> str:

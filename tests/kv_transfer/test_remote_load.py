@@ -140,6 +140,9 @@ class _SlowLoads:
         done, self.done = self.done, set()
         return set(), done
 
+    def get_load_errors(self) -> dict[str, str]:
+        return {}
+
 
 def test_a_load_in_flight_keeps_the_request_parked_until_the_worker_reports_it() -> None:
     engine = _consumer("eagle:3")

@@ -53,3 +53,7 @@ class WorkerConnector(Protocol):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose blocks peers have finished reading, requests whose loads finished)."""
         ...
+
+    def get_load_errors(self) -> dict[str, str]:
+        """Requests whose loads failed since the last call, with the reason (they must end)."""
+        ...

@@ -96,6 +96,8 @@ class ModelRunnerOutput:
     finished_recving: set[str] = field(default_factory=set)
     # Finished requests whose blocks a producer kept until its peer read them, now read.
     finished_sending: set[str] = field(default_factory=set)
+    # Requests whose external KV load failed, with the reason; the engine ends them with it.
+    failed_recving: dict[str, str] = field(default_factory=dict)
 
     def by_request(self) -> dict[str, list[int]]:
         return dict(zip(self.req_ids, self.sampled_token_ids, strict=True))

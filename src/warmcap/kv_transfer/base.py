@@ -77,3 +77,7 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests peers finished reading, requests whose loads finished) since the last call."""
+
+    def get_load_errors(self) -> dict[str, str]:
+        """Requests whose loads failed since the last call, with why (their blocks hold no KV)."""
+        return {}

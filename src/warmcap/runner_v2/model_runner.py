@@ -250,6 +250,7 @@ class ModelRunner:
             output.finished_sending, output.finished_recving = self.kv_connector.get_finished(
                 sched_out.finished_req_ids
             )
+            output.failed_recving = self.kv_connector.get_load_errors()
         return output
 
     def _propose(self, sched_out: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> dict:

@@ -43,6 +43,8 @@ class ServeOptions:
     on_failure: Callable[[str], None] | None = field(default=None, compare=False)
     #: seconds the lifespan waits for the engine thread at shutdown
     shutdown_timeout: float = 30.0
+    #: fill every free KV block with a poison value once start-up is done (a debugging check, ``kv_transfer/poison.py``)
+    poison_free_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -92,6 +94,8 @@ def build_app(
         capture_sizes=opts.capture_sizes,
         audit_serving=opts.audit_serving,
     )
+    if opts.poison_free_kv:
+        starter = partial(_poisoned, starter)
     loop = EngineLoop(starter, metrics, num_spec_positions=k, on_failure=opts.on_failure)
 
     @asynccontextmanager
@@ -138,6 +142,14 @@ def build_app(
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     return app
+
+
+def _poisoned(start: Callable[[], StartedEngine]) -> StartedEngine:
+    from warmcap.kv_transfer.poison import poison_free_blocks
+
+    started = start()
+    poison_free_blocks(started.engine)
+    return started
 
 
 def _not_ready(loop: EngineLoop) -> str:

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warmcap.serve")
 
+#: how often an engine with only KV transfers pending looks at them
+_TRANSFER_POLL_S = 0.002
+
 
 class State(enum.Enum):
     STARTING = "starting"
@@ -68,6 +71,7 @@ class _Add:
     prompt: str | list[int] | ChatPrompt
     params: SamplingParams
     sink: _Sink
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,7 @@ class EngineLoop:
         params: SamplingParams,
         out: asyncio.Queue[Item],
         index: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         """Queue a request; its outputs go to ``out`` tagged with ``index``. Prompt problems (too
         long, no chat template) come back as an :class:`EngineFailure` with status 400."""
@@ -139,7 +144,7 @@ class EngineLoop:
             if self.state is not State.READY:
                 sink.put(EngineFailure(f"the server is not serving (state: {self.state.value})"))
                 return
-            self._commands.put(_Add(request_id, prompt, params, sink))
+            self._commands.put(_Add(request_id, prompt, params, sink, kv_transfer_params))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop requests and free their blocks (no-op for ones already finished)."""
@@ -184,7 +189,10 @@ class EngineLoop:
     def _serve(self, engine: LLMEngine) -> None:
         while True:
             idle = not engine.has_unfinished()
-            commands = self._drain(block=idle)
+            # Only KV transfers pending (a producer's kept blocks, a consumer's reads): poll them
+            # every few milliseconds instead of stepping in a busy loop.
+            polling = not idle and not engine.scheduler.running and not engine.scheduler.waiting
+            commands = self._drain(block=idle, timeout=_TRANSFER_POLL_S if polling else None)
             for i, command in enumerate(commands):
                 if isinstance(command, _Stop):
                     self._stop(engine, command.reason, commands[i + 1 :])
@@ -200,10 +208,15 @@ class EngineLoop:
                 # Aborts free blocks without a step: the gauges must show it.
                 self._observe(engine, num_batched=0)
 
-    def _drain(self, *, block: bool) -> list[_Add | _Abort | _Stop]:
+    def _drain(self, *, block: bool, timeout: float | None = None) -> list[_Add | _Abort | _Stop]:
         commands = []
         if block:
             commands.append(self._commands.get())
+        elif timeout is not None:
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -217,7 +230,9 @@ class EngineLoop:
                 prompt = chat_token_ids(engine.tokenizer, prompt.messages, engine.config.model.model)
             elif isinstance(prompt, list):
                 _check_token_ids(engine, prompt)
-            engine.add_request(prompt, command.params, command.request_id)
+            engine.add_request(
+                prompt, command.params, command.request_id, kv_transfer_params=command.kv_transfer_params
+            )
         except WarmcapError as exc:
             command.sink.put(EngineFailure(str(exc), status=400))
             return
@@ -240,6 +255,12 @@ class EngineLoop:
                 sink.first_token_seen = True
                 self._metrics.observe_tokens(prompt=len(out.prompt_token_ids))
                 self._metrics.observe_first_token(now - sink.arrival)
+            if out.error is not None:
+                # A failed KV transfer: the request ends with the reason, the server goes on.
+                del self._sinks[out.request_id]
+                self._metrics.observe_end("abort", None)
+                sink.put(EngineFailure(out.error, status=502))
+                continue
             if out.finished:
                 del self._sinks[out.request_id]
                 self._metrics.observe_end(out.finish_reason or "stop", now - sink.arrival)

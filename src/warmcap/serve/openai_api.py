@@ -49,7 +49,14 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     state.check_model(body.model)
     params = _sampling_params(body, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens)
     prompts = _completion_prompts(body.prompt)
-    run = await _Run.begin(state, prompts, params, "cmpl")
+    if body.kv_transfer_params is not None and len(prompts) != 1:
+        raise APIError(
+            400,
+            f"kv_transfer_params goes with one prompt; this request has {len(prompts)}: send them one by one",
+            "invalid_parameter",
+            "kv_transfer_params",
+        )
+    run = await _Run.begin(state, prompts, params, "cmpl", body.kv_transfer_params)
     if body.stream:
         return _sse(run.completion_chunks(body), run)
     outputs = await run.collect()
@@ -62,6 +69,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
                 for i, o in enumerate(outputs)
             ],
             usage=usage(*_token_counts(outputs)),
+            kv_transfer_params=outputs[0].kv_transfer_params,
         ).model_dump()
     )
 
@@ -77,7 +85,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     )
     params = _sampling_params(body, limit)
     prompt = ChatPrompt(tuple((m.role, m.content) for m in body.messages))
-    run = await _Run.begin(state, [prompt], params, "chatcmpl")
+    run = await _Run.begin(state, [prompt], params, "chatcmpl", body.kv_transfer_params)
     if body.stream:
         return _sse(run.chat_chunks(body), run)
     (out,) = await run.collect()
@@ -91,6 +99,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
                 )
             ],
             usage=usage(*_token_counts([out])),
+            kv_transfer_params=out.kv_transfer_params,
         ).model_dump()
     )
 
@@ -147,13 +156,14 @@ class _Run:
         prompts: list[str | list[int] | ChatPrompt],
         params: SamplingParams,
         prefix: str,
+        kv_transfer_params: dict | None = None,
     ) -> _Run:
         """Submit every prompt and wait for the first output, so a rejected prompt still gets a
         plain error response rather than a stream."""
         state.check_ready()
         run = cls(state, prefix, len(prompts))
         for i, prompt in enumerate(prompts):
-            state.loop.submit(run.request_ids[i], prompt, params, run.queue, i)
+            state.loop.submit(run.request_ids[i], prompt, params, run.queue, i, kv_transfer_params)
         try:
             run.first = run._check(await run.queue.get())
         except BaseException:

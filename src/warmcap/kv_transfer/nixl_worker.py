@@ -1,0 +1,375 @@
+"""The NIXL connector's worker side: a NIXL agent (UCX) over this engine's KV tensors.
+
+- **P** registers its tensors and answers the side channel with its agent metadata and layout. It
+  learns that D has read a request's blocks from the notification NIXL delivers with D's READ (the
+  request id), or from a side-channel ``release``; either, or the deadline, reports it in
+  ``finished_sending`` so the scheduler frees the blocks.
+- **D** fetches P's metadata once per peer, then per request issues one READ of P's blocks into its
+  own and reports the request in ``finished_recving`` once the READ is done. A failed read is
+  reported by :meth:`get_load_errors`; the engine ends the request with that message.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from warmcap.core.reservation import blocks_covering
+from warmcap.kv_transfer.base import KVConnectorWorker
+from warmcap.kv_transfer.layout import (
+    LayerRegion,
+    check_compatible,
+    layer_regions,
+    regions_from_json,
+    regions_to_json,
+)
+from warmcap.kv_transfer.nixl_metadata import NixlMetadata, ReadJob
+from warmcap.kv_transfer.params import KVTransferError, RemotePrefill
+from warmcap.kv_transfer.side_channel import SideChannelServer, ask
+
+if TYPE_CHECKING:
+    import torch
+
+    from warmcap.config import EngineConfig
+    from warmcap.core.kv_spec import KVCacheGroup
+
+log = logging.getLogger("warmcap.kv_transfer")
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    engine_id: str
+    agent_name: str
+    mem_type: str
+    regions: dict[str, LayerRegion]
+
+
+@dataclass(slots=True)
+class _Read:
+    job: ReadJob
+    peer: _Peer
+    handle: Any
+    started: float
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """D's completed reads, for benchmarks: how many, their bytes and seconds in flight."""
+
+    num_reads: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+class NixlConnectorWorker(KVConnectorWorker):
+    def __init__(
+        self,
+        config: EngineConfig,
+        groups: list[KVCacheGroup],
+        *,
+        engine_id: str,
+        side_channel_timeout: float,
+        read_timeout: float,
+    ) -> None:
+        super().__init__(config)
+        self.engine_id = engine_id
+        self.groups = list(groups)
+        self.side_channel_timeout = side_channel_timeout
+        self.read_timeout = read_timeout
+        self.stats = TransferStats()
+        #: P: where D asks for this engine's metadata (set by ``kv_transfer/nixl.py``)
+        self.side_channel: SideChannelServer | None = None
+        self._agent: Any = None
+        self._regions: dict[str, LayerRegion] = {}
+        self._mem_type = "DRAM"
+        self._described: dict[str, Any] | None = None
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._reads: dict[str, _Read] = {}
+        self._errors: dict[str, str] = {}
+        # P: kept requests by id -> deadline; confirmations that arrived before their request did
+        self._kept: dict[str, float] = {}
+        self._confirmed: set[str] = set()
+        # NOTE: filled from the side-channel thread, drained by the engine thread.
+        self._released: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- registration and the side channel ----------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        layer_groups = {layer: g.name for g in self.groups for layer in g.layer_names}
+        self._regions = layer_regions(kv_caches, layer_groups, self.groups)
+        tensors = list(kv_caches.values())
+        self._mem_type = "DRAM" if tensors[0].get_device() < 0 else "VRAM"
+        # NOTE: no progress thread: NIXL's spins without pause and would take a core from the model;
+        # the engine thread drives transfers when it polls them each step.
+        self._agent = nixl_agent(
+            self.engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
+        self._agent.register_memory(tensors)
+        self._described = {
+            "engine_id": self.engine_id,
+            "agent_metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+            "mem_type": self._mem_type,
+            "layers": regions_to_json(self._regions),
+        }
+
+    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The side channel's handler (called from its thread)."""
+        op = request.get("op")
+        if op == "metadata":
+            if self._described is None:
+                return {"error": "this engine's KV cache is not registered yet (still starting)"}
+            return self._described
+        if op == "release":
+            # NOTE: by request id alone: a reader with a wrong engine id still lets the holder go.
+            with self._lock:
+                self._released.add(str(request.get("request_id")))
+            return {"ok": True}
+        return {"error": f"unknown side-channel op {op!r}: known are 'metadata' and 'release'"}
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: NixlMetadata | None) -> None:
+        if metadata is None:
+            return
+        for req_id in metadata.stopped & set(self._reads):
+            self._stop_read(self._reads.pop(req_id))
+        self._kept.update(metadata.sends)
+        for remote in metadata.releases:
+            self._release(remote)
+        for job in metadata.reads:
+            try:
+                self._start_read(job)
+            except KVTransferError as exc:
+                self._fail(job, str(exc))
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: P's KV is written by the forward itself, and D reads it later."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return self._finished_sending(), self._finished_recving()
+
+    def get_load_errors(self) -> dict[str, str]:
+        errors, self._errors = self._errors, {}
+        return errors
+
+    # ---- D: reads -----------------------------------------------------------------------------
+
+    def _peer(self, job: ReadJob) -> _Peer:
+        remote = job.remote
+        key = (remote.host, remote.port)
+        peer = self._peers.get(key)
+        if peer is None:
+            answer = ask(remote.host, remote.port, {"op": "metadata"}, timeout=self.side_channel_timeout)
+            where = f"the prefill instance at {remote.host}:{remote.port}"
+            try:
+                agent_metadata = base64.b64decode(answer["agent_metadata"])
+                regions = regions_from_json(answer["layers"], where)
+                peer = _Peer(str(answer["engine_id"]), "", str(answer["mem_type"]), regions)
+            except (KeyError, ValueError) as exc:
+                raise KVTransferError(
+                    f"{where} sent incomplete metadata ({exc!r}): is it a warmcap server?"
+                ) from None
+            check_compatible(self._regions, peer.regions, where)
+            if peer.engine_id != remote.engine_id:
+                raise KVTransferError(
+                    f"remote_engine_id {remote.engine_id!r} does not match the engine at {remote.host}:"
+                    f"{remote.port} ({peer.engine_id!r}): pass on the kv_transfer_params the prefill server "
+                    "returned, unchanged"
+                )
+            name = self._agent.add_remote_agent(agent_metadata)
+            peer = _Peer(
+                peer.engine_id,
+                name.decode() if isinstance(name, bytes) else str(name),
+                peer.mem_type,
+                peer.regions,
+            )
+            self._peers[key] = peer
+        elif peer.engine_id != remote.engine_id:
+            raise KVTransferError(
+                f"remote_engine_id {remote.engine_id!r} does not match the engine at {remote.host}:"
+                f"{remote.port} ({peer.engine_id!r}): pass on the kv_transfer_params the prefill server "
+                "returned, unchanged"
+            )
+        return peer
+
+    def _start_read(self, job: ReadJob) -> None:
+        remote = job.remote
+        if remote.num_tokens is not None and remote.num_tokens != job.num_prompt_tokens:
+            raise KVTransferError(
+                f"the prefill instance computed {remote.num_tokens} prompt tokens but this prompt has "
+                f"{job.num_prompt_tokens}: send both the same prompt (a chat template applied twice, or a "
+                "second BOS, changes it)"
+            )
+        peer = self._peer(job)
+        local, far = self._descriptors(job, peer)
+        agent = self._agent
+        try:
+            handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local, self._mem_type),
+                agent.get_xfer_descs(far, peer.mem_type),
+                peer.agent_name,
+                remote.request_id.encode(),
+            )
+            state = agent.transfer(handle)
+        except Exception as exc:  # NIXL raises its own exception types per status
+            self._peers.pop((remote.host, remote.port), None)
+            raise KVTransferError(
+                f"NIXL could not start reading the prompt KV from {remote.host}:{remote.port} ({type(exc).__name__}: {exc}); "
+                "the prefill instance may have stopped"
+            ) from None
+        if state == "ERR":
+            self._peers.pop((remote.host, remote.port), None)
+            agent.release_xfer_handle(handle)
+            raise KVTransferError(f"NIXL failed to read the prompt KV from {remote.host}:{remote.port}")
+        self._reads[job.request_id] = _Read(job, peer, handle, time.perf_counter(), sum(d[1] for d in local))
+
+    def _descriptors(
+        self, job: ReadJob, peer: _Peer
+    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """(local, remote) block descriptors, paired by position, for every group P also has."""
+        remote_ids = job.remote.block_ids
+        if set(remote_ids) == {""}:
+            targets = [g.name for g in self.groups if not g.is_drafter]
+            if len(targets) != 1:
+                raise KVTransferError(
+                    f"remote_block_ids is one flat list but this model has KV groups {targets}: send "
+                    "{group: [ids]} as a warmcap prefill server returns it"
+                )
+            remote_ids = {targets[0]: remote_ids[""]}
+        missing = [g.name for g in self.groups if g.name not in remote_ids]
+        if missing:
+            # NOTE: a drafter whose prompt KV was never written would read garbage (the seed bug:
+            # acceptance drops although the output is right), so the request is refused instead.
+            raise KVTransferError(
+                f"the prefill instance sent no KV for this engine's groups {missing} (it sent "
+                f"{sorted(remote_ids)}): a decode instance that drafts needs its drafter's prompt KV too; "
+                "start the prefill server with the same --spec and kv_role kv_both"
+            )
+        local, far = [], []
+        for group in self.groups:
+            theirs = remote_ids[group.name]
+            bs = group.spec.block_size
+            mine = job.block_ids.get(group.name, [])
+            num_loaded = job.num_local_tokens + job.num_external_tokens
+            need = blocks_covering(num_loaded, bs)
+            if len(theirs) < need or len(theirs) > blocks_covering(job.num_prompt_tokens, bs) + len(mine):
+                raise KVTransferError(
+                    f"remote_block_ids[{group.name!r}] has {len(theirs)} blocks, but a {job.num_prompt_tokens}-token "
+                    f"prompt needs {blocks_covering(job.num_prompt_tokens, bs)} of {bs} tokens: the block ids do not belong "
+                    "to this prompt; send both servers the same prompt and P's kv_transfer_params unchanged"
+                )
+            layers = [layer for layer in group.layer_names if layer in self._regions]
+            for j in range(job.num_local_tokens // bs, need):
+                if mine[j] == 0:
+                    continue  # a sliding window's block this request no longer needs
+                for layer in layers:
+                    region, theirs_region = self._regions[layer], peer.regions.get(layer)
+                    if theirs_region is None or not 0 < theirs[j] < theirs_region.num_blocks:
+                        raise KVTransferError(
+                            f"the prefill instance has no block {theirs[j]} of layer {layer}: its "
+                            "remote_block_ids do not match its KV cache"
+                        )
+                    local += region.block_descs(mine[j])
+                    far += theirs_region.block_descs(theirs[j])
+        if not local:
+            raise KVTransferError(
+                f"kv_transfer_params name no KV group of this model (sent {sorted(remote_ids)}, here "
+                f"{[g.name for g in self.groups]}): the prefill server serves another model"
+            )
+        return local, far
+
+    def _finished_recving(self) -> set[str]:
+        done = set()
+        for req_id, read in list(self._reads.items()):
+            state = self._agent.check_xfer_state(read.handle)
+            if state == "PROC":
+                if time.perf_counter() - read.started < self.read_timeout:
+                    continue
+                self._try_abort(read)
+                continue
+            del self._reads[req_id]
+            self._agent.release_xfer_handle(read.handle)
+            if state == "DONE":
+                self.stats.num_reads += 1
+                self.stats.num_bytes += read.num_bytes
+                self.stats.seconds += time.perf_counter() - read.started
+                done.add(req_id)
+            else:
+                remote = read.job.remote
+                self._peers.pop((remote.host, remote.port), None)
+                self._fail(
+                    read.job,
+                    f"NIXL failed to read the prompt KV from {remote.host}:{remote.port}: the prefill instance may have stopped",
+                )
+        return done
+
+    def _try_abort(self, read: _Read) -> None:
+        """A read past the timeout: abort it; only once NIXL let go may the blocks be reused."""
+        try:
+            self._agent.release_xfer_handle(read.handle)
+        except Exception:  # NOTE: still in flight; it stays tracked and is tried again next step
+            return
+        del self._reads[read.job.request_id]
+        remote = read.job.remote
+        self._peers.pop((remote.host, remote.port), None)
+        self._fail(
+            read.job,
+            f"reading the prompt KV from {remote.host}:{remote.port} took over {self.read_timeout:g} s",
+        )
+
+    def _stop_read(self, read: _Read) -> None:
+        """A request aborted mid-read: wait for NIXL to finish with its blocks before they are reused."""
+        deadline = time.perf_counter() + self.read_timeout
+        while self._agent.check_xfer_state(read.handle) == "PROC" and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        self._agent.release_xfer_handle(read.handle)
+
+    def _fail(self, job: ReadJob, message: str) -> None:
+        self._errors[job.request_id] = message
+        log.warning("warmcap: request %s: %s", job.request_id, message)
+        self._release(job.remote)
+
+    def _release(self, remote: RemotePrefill) -> None:
+        """Tell P that its blocks for ``remote`` will not be read (best effort: else its deadline frees them)."""
+        with contextlib.suppress(KVTransferError):
+            ask(
+                remote.host,
+                remote.port,
+                {"op": "release", "request_id": remote.request_id},
+                timeout=self.side_channel_timeout,
+            )
+
+    # ---- P: confirmations ---------------------------------------------------------------------
+
+    def _finished_sending(self) -> set[str]:
+        if self._agent is None:
+            return set()
+        confirmed = self._confirmed
+        for messages in self._agent.get_new_notifs().values():
+            confirmed.update(m.decode(errors="replace") for m in messages)
+        with self._lock:
+            confirmed |= self._released
+            self._released = set()
+        done = confirmed & set(self._kept)
+        now = time.monotonic()
+        expired = {r for r, deadline in self._kept.items() if deadline <= now} - done
+        for req_id in expired:
+            log.warning(
+                "warmcap: request %s: no decode instance read its KV in time; its blocks are freed", req_id
+            )
+        done |= expired
+        for req_id in done:
+            del self._kept[req_id]
+        # NOTE: a confirmation may arrive before the step that tells this side about the request.
+        self._confirmed = confirmed - done
+        return done
