@@ -21,9 +21,9 @@ from warmcap.config import (
 )
 from warmcap.engine import LLMEngine
 from warmcap.errors import ConfigError
-from warmcap.kv_transfer.poison import poison_free_blocks
 from warmcap.outputs import RequestOutput
 from warmcap.sampling_params import SamplingParams
+from warmcap.serve.poison import poison_free_blocks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PREFILL = SamplingParams(temperature=0.0, max_tokens=1)

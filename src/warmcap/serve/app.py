@@ -43,7 +43,7 @@ class ServeOptions:
     on_failure: Callable[[str], None] | None = field(default=None, compare=False)
     #: seconds the lifespan waits for the engine thread at shutdown
     shutdown_timeout: float = 30.0
-    #: fill every free KV block with a poison value once start-up is done (a debugging check, ``kv_transfer/poison.py``)
+    #: fill every free KV block with a poison value once start-up is done (a debugging check, ``serve/poison.py``)
     poison_free_kv: bool = False
 
 
@@ -145,7 +145,7 @@ def build_app(
 
 
 def _poisoned(start: Callable[[], StartedEngine]) -> StartedEngine:
-    from warmcap.kv_transfer.poison import poison_free_blocks
+    from warmcap.serve.poison import poison_free_blocks
 
     started = start()
     poison_free_blocks(started.engine)

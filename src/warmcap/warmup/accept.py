@@ -116,12 +116,13 @@ def measure_in_process(
     engine_kwargs: dict[str, Any] | None = None,
 ) -> Measurement:
     """Run the prompt set through an ``LLM`` built here, one prompt at a time, greedy."""
+    from warmcap.core.reservation import blocks_covering
     from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
 
     # One request at a time needs blocks for one context (twice: a draft model has its own groups);
     # left unset, the pool would be sized from free memory, gigabytes on a CPU host.
-    blocks = 2 * -(-IN_PROCESS_MAX_MODEL_LEN // 16) + 2
+    blocks = 2 * blocks_covering(IN_PROCESS_MAX_MODEL_LEN, 16) + 2
     kwargs = {
         "max_model_len": IN_PROCESS_MAX_MODEL_LEN,
         "num_blocks": blocks,
