@@ -64,9 +64,11 @@ def warmcap_runner(
     *,
     batch_invariant: bool = False,
     eager: bool = False,
+    packed: bool = True,
     **_: object,
 ) -> Runner:
     from warmcap.llm import LLM
+    from warmcap.models.packed_linear import unpack_linears
     from warmcap.sampling_params import SamplingParams
 
     longest = max(len(p) for p in ids) + max_tokens
@@ -80,6 +82,9 @@ def warmcap_runner(
         batch_invariant=batch_invariant,
         enforce_eager=eager,
     )
+    if not packed:
+        # The peer for models/packed_linear.py: the same engine on plain F.linear.
+        unpack_linears(llm.engine.model)
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return lambda: [o.token_ids for o in llm.generate(ids, params)]
@@ -198,6 +203,7 @@ PEERS: dict[str, Callable[..., Runner]] = {
     "vllm": VllmPeer,
     # the same engine with fixed-shape GEMM tiles (--batch-invariant): the price of invariance
     "warmcap_batch_invariant": partial(warmcap_runner, batch_invariant=True),
+    "warmcap_unpacked": partial(warmcap_runner, packed=False),
     "hf_generate": hf_generate_runner,
     "hf_paged": hf_paged_runner,
 }

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from warmcap.core.block_pool import BlockPool
@@ -103,6 +104,9 @@ class KVCacheManager:
         ]
         self._releasing = [m for m in self.managers if m.releases_blocks]
         self._group_names = [g.name for g in self.groups]
+        # NOTE: shared by every step of every request that needs no block, so the hundreds of
+        # running requests of a step allocate nothing; read-only, and its lists must stay empty.
+        self._no_new_blocks: Mapping[str, list[int]] = MappingProxyType({n: [] for n in self._group_names})
         self._hash_spec = self.groups[0].spec
         self._hash_block_size = self._hash_spec.block_size
         # NOTE: a drafter's KV at a block's last position can depend on the next block's first
@@ -232,13 +236,26 @@ class KVCacheManager:
             for name in self._group_names:
                 new_ids[name] = []
         if num_tokens >= state.cache_at and self.enable_caching and not delay_cache_blocks:
-            # Only blocks full of the request's own tokens whose KV is written by the end of this
-            # step: never the lookahead region, never draft tokens (not in the request's tokens).
-            num_real = len(request.prompt_token_ids) + len(request.output_token_ids)
-            end = num_tokens if num_tokens < num_real else num_real
-            if end >= state.cache_at:
-                self._cache_full_blocks(request, state, end)
+            self._cache_written_blocks(request, state, num_tokens)
         return new_ids
+
+    def allocate_running(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> Mapping[str, list[int]] | None:
+        """``allocate_slots`` for a request that is already running (no prefix hits, no external
+        load), as the scheduler asks for every running request every step.
+
+        A step whose tokens stay within the blocks held and fill no block is answered here without
+        the general path's keyword handling; any other step takes ``allocate_slots``.
+        """
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        counts = self._counts.get((num_tokens, num_lookahead_tokens, request.num_encoder_tokens))
+        state = self._state.get(request.request_id)
+        if state is None or counts is not state.counts or self._releasing:
+            return self.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        if num_tokens >= state.cache_at and self.enable_caching:
+            self._cache_written_blocks(request, state, num_tokens)
+        return self._no_new_blocks
 
     def free(self, request: Request) -> None:
         """Return every block the request holds (released placeholders excluded)."""
@@ -341,6 +358,15 @@ class KVCacheManager:
         extend_block_hashes(
             request.block_hashes, request.prompt_token_ids, request.output_token_ids, self._hash_block_size
         )
+
+    def _cache_written_blocks(self, request: Request, state: _RequestState, num_tokens: int) -> None:
+        """Register the blocks full of the request's own tokens whose KV is written once
+        ``num_tokens`` are computed: never the lookahead region, never draft tokens (which are not
+        in the request's tokens)."""
+        num_real = len(request.prompt_token_ids) + len(request.output_token_ids)
+        end = num_tokens if num_tokens < num_real else num_real
+        if end >= state.cache_at:
+            self._cache_full_blocks(request, state, end)
 
     def _cache_full_blocks(self, request: Request, state: _RequestState, end: int) -> None:
         """Register the request's blocks that are full of tokens ``[0, end)`` and not cached yet."""

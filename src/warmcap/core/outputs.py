@@ -5,6 +5,7 @@ Warmup and serving build the same records; the only difference is who builds the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from warmcap.sampling_params import SamplingParams
@@ -30,7 +31,7 @@ class CachedRequestData:
     """A request already in the runner's persistent batch: only what changed."""
 
     req_id: str
-    new_block_ids: BlockIds
+    new_block_ids: Mapping[str, list[int]]  # group name -> block ids appended (read-only)
     num_computed_tokens: int
 
 

@@ -155,7 +155,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # NOTE: this loop runs for every running request every step; it avoids min(), properties
         # and keyword calls, which cost more than the arithmetic they wrap.
-        allocate = self.kv.allocate_slots
+        allocate = self.kv.allocate_running
         lookahead = self.num_lookahead_tokens
         max_pos = self.max_model_len - 1
         running = self.running
@@ -176,13 +176,13 @@ class Scheduler:
                 num_new = budget
             if num_new > max_pos - computed:
                 num_new = max_pos - computed
-            new_ids = allocate(req, num_new, num_lookahead_tokens=lookahead)
+            new_ids = allocate(req, num_new, lookahead)
             while new_ids is None:
                 victim = running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
-                new_ids = allocate(req, num_new, num_lookahead_tokens=lookahead)
+                new_ids = allocate(req, num_new, lookahead)
             req_id = req.request_id
             cached_reqs.append(CachedRequestData(req_id, new_ids, computed))
             num_scheduled[req_id] = num_new

@@ -104,7 +104,8 @@ def load_model(
     batch_invariant: bool = False,
 ) -> nn.Module:
     """Build warmcap's implementation of the directory's architecture and load its weights
-    (with batch-invariant linear layers when asked, :mod:`warmcap.models.batch_invariant`).
+    (with batch-invariant linear layers when asked, :mod:`warmcap.models.batch_invariant`; else
+    float32 CPU linears are prepacked for oneDNN, :mod:`warmcap.models.packed_linear`).
 
     Under tensor parallelism (:mod:`warmcap.contracts.parallel`) the model is this rank's shard and
     only this rank's slice of each sharded tensor is read from the files (``get_slice``).
@@ -160,6 +161,10 @@ def load_model(
         from warmcap.models.batch_invariant import make_batch_invariant
 
         make_batch_invariant(model)
+    else:
+        from warmcap.models.packed_linear import prepack_linears
+
+        prepack_linears(model)
     return model.eval()
 
 

@@ -1,0 +1,119 @@
+"""oneDNN-prepacked linears: the same products as ``F.linear`` (to float32 rounding), applied by the
+loader to plain float32 CPU linears only, and greedy generation unchanged on SmolLM2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from warmcap.models.batch_invariant import BatchInvariantLinear
+from warmcap.models.loader import load_model
+from warmcap.models.packed_linear import PackedLinear, can_prepack, prepack_linears, unpack_linears
+from warmcap.models.tiny import write_tiny_model
+
+
+def test_the_cpu_torch_build_has_the_packed_linear_ops() -> None:
+    # The CPU wheels warmcap pins ship oneDNN; without it nothing is packed and serving is slower.
+    assert can_prepack()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("m") / "tiny-llama"
+    write_tiny_model("tiny-llama", path)
+    return path
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(0, 40),
+    shape=st.sampled_from([(64, 96), (576, 192), (576, 1536), (1536, 576)]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_linear_computes_the_same_product(m: int, shape, bias: bool, seed: int) -> None:
+    k, n = shape
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n, bias=bias)
+    x = torch.randn(m, k)
+    with torch.inference_mode():
+        expected = linear(x)
+        assert prepack_linears(linear) == 1
+        got = linear(x)
+    assert type(linear) is PackedLinear and got.shape == (m, n)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_keeps_leading_dims_and_reads_strided_inputs() -> None:
+    linear = nn.Linear(32, 8)
+    x = torch.randn(3, 5, 32)
+    strided = torch.randn(32, 6).t()  # a transposed view, not contiguous
+    expected = (linear(x), linear(strided))
+    prepack_linears(linear)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x), expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear(strided), expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_only_plain_float32_cpu_linears_are_packed() -> None:
+    model = nn.ModuleDict(
+        {
+            "plain": nn.Linear(8, 8),
+            "bf16": nn.Linear(8, 8).to(torch.bfloat16),
+            "tiled": BatchInvariantLinear(8, 8),
+            "embed": nn.Embedding(10, 8),
+        }
+    )
+    assert prepack_linears(model) == 1
+    assert type(model["plain"]) is PackedLinear
+    assert type(model["bf16"]) is nn.Linear and type(model["tiled"]) is BatchInvariantLinear
+
+
+def test_loader_packs_by_default_and_never_in_batch_invariant_mode(tiny_llama: Path) -> None:
+    packed = load_model(tiny_llama)
+    tiled = load_model(tiny_llama, batch_invariant=True)
+    linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is PackedLinear for m in linears)
+    assert not any(isinstance(m, PackedLinear) for m in tiled.modules())
+    # The parameters are untouched: same names, same values as the unpacked checkpoint.
+    assert packed.state_dict().keys() == tiled.state_dict().keys()
+    for name, value in packed.state_dict().items():
+        assert torch.equal(value, tiled.state_dict()[name]), name
+
+
+def test_unpack_restores_plain_linears_bit_for_bit(tiny_llama: Path) -> None:
+    model = load_model(tiny_llama)
+    linear = next(m for m in model.modules() if isinstance(m, PackedLinear))
+    x = torch.randn(7, linear.in_features)
+    assert unpack_linears(model) > 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert not hasattr(linear, "packed_weight")
+    assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_are_unchanged_by_packing() -> None:
+    from warmcap.llm import LLM
+    from warmcap.sampling_params import SamplingParams
+
+    llm = LLM("smollm2-135m", device="cpu", max_num_seqs=4, max_model_len=256, enforce_eager=True)
+    model = llm.engine.model
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    prompts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain photosynthesis in one sentence.",
+        "List three prime numbers.",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    packed = [o.token_ids for o in llm.generate(prompts, params)]
+    unpack_linears(model)
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    assert packed == plain
