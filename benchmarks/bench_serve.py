@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import socket
 import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +114,18 @@ def run_level(
     }
 
 
+def client_level(
+    base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, seconds: float
+) -> dict:
+    """One concurrency level, run in its own process: the clients are separate programs, as real
+    ones are, so their SSE parsing does not take the server's interpreter lock or its cores' time
+    slices inside the server process."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    return run_level(client, model, prompts, concurrency, max_tokens, seconds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -121,13 +135,22 @@ def main() -> None:
     ap.add_argument("--capture-sizes", default="1,2,4,8,16,32")
     ap.add_argument("--level-seconds", type=float, default=120.0)
     ap.add_argument("--time-limit", type=float, default=900.0)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="Model threads (torch intra-op) for the engine, offline and served alike; default torch's.",
+    )
     args = ap.parse_args()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     # Progress must show when stdout is a file (a long run on a busy machine).
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     started_at = time.perf_counter()
 
     import uvicorn
-    from openai import OpenAI
 
     from warmcap.graphs.sizes import parse_capture_sizes
     from warmcap.llm import build_config
@@ -174,13 +197,16 @@ def main() -> None:
             if time.perf_counter() - started_at > args.time_limit:
                 raise TimeoutError("server not ready within the time limit")
             time.sleep(0.05)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        clients = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        base_url = f"http://127.0.0.1:{port}/v1"
         for c in levels:
             left = args.time_limit - (time.perf_counter() - started_at)
             if left <= 0:
                 print(f"time limit reached before concurrency {c}")
                 break
-            r = run_level(client, args.model, prompts, c, args.max_tokens, min(args.level_seconds, left))
+            r = clients.submit(
+                client_level, base_url, args.model, prompts, c, args.max_tokens, min(args.level_seconds, left)
+            ).result()
             r["vs_offline"] = r["tokens_per_s"] / offline_tps
             results.append(r)
             print(
@@ -189,6 +215,7 @@ def main() -> None:
                 f"TTFT p50/p90/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p90'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms; "
                 f"ITL p50/p90/p99 {r['itl_p50'] * 1e3:.1f}/{r['itl_p90'] * 1e3:.1f}/{r['itl_p99'] * 1e3:.1f} ms"
             )
+        clients.shutdown()
     finally:
         server.should_exit = True
         thread.join(60)

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-# torch is pinned first and in the same command as everything else (see ENVIRONMENT.md).
+# torch is pinned first and in the same command as everything else: a separate install of a package
+# that depends on torch would replace the CPU build with a CUDA one.
 reqs=(-r requirements-cpu.txt)
 [ "${1:-}" = "--test" ] && reqs+=(-r requirements-test.txt)
 "${PIP[@]}" "${reqs[@]}"

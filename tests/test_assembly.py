@@ -9,11 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import warmcap.assembly as assembly
 import warmcap.engine as engine_module
-from warmcap.assembly import assemble, assemble_for_plan, drafter_modules, weight_bytes
+from warmcap.assembly import assemble, assemble_for_plan, drafter_modules, resident_bytes, weight_bytes
 from warmcap.cli import app
 from warmcap.drafters import build_drafter
 from warmcap.engine import LLMEngine
@@ -76,7 +77,9 @@ def _memory_bound_free_bytes(model: str, spec: str | None, role: str, mode: str)
     config = build_config(model, **_llm_kwargs(spec, role, mode))
     roomy = assemble_for_plan(config)  # this host has room for the tiny cap
     meta, _ = meta_model(resolve_model(model, config_only=True), roomy.config)
-    weights = weight_bytes(meta, *drafter_modules(build_drafter(roomy.config, meta)))
+    weights = resident_bytes(
+        roomy.config, torch.device("cpu"), meta, *drafter_modules(build_drafter(roomy.config, meta))
+    )
     per_block = sum(g.page_size_bytes for g in roomy.kv_groups)
     target = max(2, 2 * roomy.num_blocks // 3)
     return weights + int(target * per_block / config.cache.memory_fraction) + per_block // 2, roomy.num_blocks
@@ -152,7 +155,7 @@ def test_smollm2_plan_from_its_config_alone_equals_assembly_over_its_loaded_weig
     path = resolve_model("smollm2-135m")
     hf_config = load_hf_config(path)
     model = load_model(path, device="cpu")
-    weights = weight_bytes(model)
+    weights = resident_bytes(config, torch.device("cpu"), model)
     per_block = sum(g.page_size_bytes for g in assemble_for_plan(config.with_max_model_len(16)).kv_groups)
     _fix_free_memory(monkeypatch, weights + 300 * per_block)
     planned = assemble_for_plan(config)

@@ -24,6 +24,7 @@ from warmcap.errors import ConfigError
 from warmcap.kv_layout import build_kv_groups, meta_model
 from warmcap.kv_sizing import free_memory_bytes, num_kv_blocks
 from warmcap.models.loader import load_hf_config
+from warmcap.models.packed_linear import prepacked_bytes
 from warmcap.models.presets import resolve_model
 
 
@@ -103,9 +104,18 @@ def assemble(
     """
     config = finish_config(config, hf_config)
     groups = build_kv_groups(model, config, drafter)
-    after_weights = max(0, free_bytes - weight_bytes(model, *drafter_modules(drafter)))
+    after_weights = max(0, free_bytes - resident_bytes(config, device, model, *drafter_modules(drafter)))
     num_blocks = num_kv_blocks(config, groups, device, free_bytes=after_weights)
     return Assembly(config=config, kv_groups=groups, num_blocks=num_blocks)
+
+
+def resident_bytes(config: EngineConfig, device: torch.device, *modules: nn.Module | None) -> int:
+    """What ``modules`` hold in memory once loaded on ``device``: their weights, plus the packed
+    copy each CPU linear keeps beside its weight (``models/packed_linear.py``); left out, the KV
+    pool would be sized into memory the process already uses."""
+    present = [m for m in modules if m is not None]
+    packed = prepacked_bytes(present, device, batch_invariant=config.model.batch_invariant)
+    return weight_bytes(*present) + packed
 
 
 def drafter_modules(drafter: Any) -> list[nn.Module]:

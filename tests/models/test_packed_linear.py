@@ -14,7 +14,13 @@ from torch import nn
 
 from warmcap.models.batch_invariant import BatchInvariantLinear
 from warmcap.models.loader import load_model
-from warmcap.models.packed_linear import PackedLinear, can_prepack, prepack_linears, unpack_linears
+from warmcap.models.packed_linear import (
+    PackedLinear,
+    can_prepack,
+    prepack_linears,
+    prepacked_bytes,
+    unpack_linears,
+)
 from warmcap.models.tiny import write_tiny_model
 
 
@@ -85,6 +91,28 @@ def test_loader_packs_by_default_and_never_in_batch_invariant_mode(tiny_llama: P
     assert packed.state_dict().keys() == tiled.state_dict().keys()
     for name, value in packed.state_dict().items():
         assert torch.equal(value, tiled.state_dict()[name]), name
+
+
+def test_kv_sizing_counts_the_packed_copies_the_same_on_meta_and_loaded(tiny_llama: Path) -> None:
+    """The pool is sized before loading (``warmup plan``, meta device) and after (``warmup run``):
+    both must subtract the packed copies, or the KV cache would take memory the weights hold."""
+    from warmcap.config import EngineConfig, ModelConfig
+    from warmcap.kv_layout import meta_model
+
+    loaded = load_model(tiny_llama)
+    meta, _ = meta_model(tiny_llama, EngineConfig(model=ModelConfig(model=str(tiny_llama))))
+    cpu = torch.device("cpu")
+    held = sum(
+        m.packed_weight.numel() * m.packed_weight.element_size()
+        for m in loaded.modules()
+        if type(m) is PackedLinear
+    )
+    assert prepacked_bytes([loaded], cpu, batch_invariant=False) == prepacked_bytes(
+        [meta], cpu, batch_invariant=False
+    )
+    assert prepacked_bytes([meta], cpu, batch_invariant=False) >= held > 0
+    # nothing is packed in batch-invariant mode, so nothing is counted
+    assert prepacked_bytes([meta], cpu, batch_invariant=True) == 0
 
 
 def test_unpack_restores_plain_linears_bit_for_bit(tiny_llama: Path) -> None:

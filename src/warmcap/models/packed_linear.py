@@ -78,3 +78,23 @@ def unpack_linears(model: nn.Module) -> int:
             module.__class__ = nn.Linear
             count += 1
     return count
+
+
+def prepacked_bytes(modules: list[nn.Module], device: torch.device, *, batch_invariant: bool) -> int:
+    """Bytes the packed copies of ``modules``' linears take (or will take once loaded on ``device``):
+    each packable linear holds its weight twice, as a parameter and packed. Decided by the rule
+    :func:`prepack_linears` applies, not by what is packed now, so a model built on the meta device
+    and the same model loaded give the same number and the KV pool is sized the same."""
+    if batch_invariant or torch.device(device).type != "cpu" or not can_prepack():
+        return 0
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for sub in module.modules():
+            if type(sub) not in (nn.Linear, PackedLinear) or sub.weight.dtype != torch.float32:
+                continue
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            total += sub.weight.numel() * sub.weight.element_size()
+    return total
