@@ -139,13 +139,18 @@ def main() -> None:
         "--threads",
         type=int,
         default=None,
-        help="Model threads (torch intra-op) for the engine, offline and served alike; default torch's.",
+        help="Model threads (torch intra-op) for the engine, offline and served alike; default what "
+        "warmup serve picks (all cores but one on CPU).",
     )
     args = ap.parse_args()
-    if args.threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    from warmcap.serve.server import serving_model_threads
+
+    threads = serving_model_threads("cpu", args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    print(f"model threads: {torch.get_num_threads()}")
     # Progress must show when stdout is a file (a long run on a busy machine).
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     started_at = time.perf_counter()

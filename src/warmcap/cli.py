@@ -597,6 +597,11 @@ def serve(
         "--poison-free-kv",
         help="Debug: fill every free KV block with a large poison value before the first request (a visible read of KV never written changes the output).",
     ),
+    model_threads: int = typer.Option(
+        None,
+        "--model-threads",
+        help="CPU threads for the model (torch intra-op). Default: all cores but one, left to the HTTP side.",
+    ),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),
 ) -> None:
@@ -640,7 +645,7 @@ def serve(
 
     _one_of(quiet=quiet, verbose=verbose)
     configure_logging(err, log_level(quiet=quiet, verbose=verbose, default=INFO), name="warmcap.startup")
-    failure = run_server(config, options, host=host, port=port)
+    failure = run_server(config, options, host=host, port=port, model_threads=model_threads)
     if failure is not None:
         err.print(f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure)}", highlight=False)
         raise typer.Exit(1)

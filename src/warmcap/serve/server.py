@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import torch
 import uvicorn
 
+from warmcap.assembly import resolve_device
+from warmcap.errors import ConfigError
 from warmcap.serve.app import ServeOptions, build_app
 
 if TYPE_CHECKING:
@@ -36,8 +40,37 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(config: EngineConfig, options: ServeOptions, *, host: str, port: int) -> str | None:
-    """Serve until a signal (returns None) or a failed start-up (returns the reason)."""
+def serving_model_threads(device: str, requested: int | None) -> int | None:
+    """Intra-op threads the model gets while serving on CPU: ``requested``, or else (with no
+    ``OMP_NUM_THREADS`` set) every core this process may use but one, which is left to the HTTP
+    side. None: leave torch's setting alone (a GPU, or the environment chose).
+
+    The engine and the server share one process; with every core running model threads, each
+    streamed chunk pre-empts one of them and the whole parallel GEMM waits for it (measured on 2
+    cores: 51 tokens/s served with 2 model threads against 69 with 1, BENCHMARKS.md). vLLM's CPU
+    build reserves a core for its front end for the same reason.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(
+                f"--model-threads {requested} must be at least 1 (or left unset for all cores but one)"
+            )
+        return requested
+    if device not in ("cpu", "auto") or (device == "auto" and resolve_device("auto").type != "cpu"):
+        return None
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def serve(
+    config: EngineConfig, options: ServeOptions, *, host: str, port: int, model_threads: int | None = None
+) -> str | None:
+    """Serve until a signal (returns None) or a failed start-up (returns the reason).
+    ``model_threads``: see :func:`serving_model_threads`."""
+    threads = serving_model_threads(config.model.device, model_threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     failure: list[str] = []
     server: _Server | None = None
 
@@ -56,5 +89,6 @@ def serve(config: EngineConfig, options: ServeOptions, *, host: str, port: int) 
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)
+    log.info("model threads: %d of %d cores", torch.get_num_threads(), len(os.sched_getaffinity(0)))
     server.run()
     return failure[0] if failure else None
