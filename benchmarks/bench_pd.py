@@ -14,28 +14,15 @@ then all of them by ``--concurrency`` clients at once (output tokens per second)
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
-PROMPTS = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
-
-
-@dataclass(slots=True)
-class Sample:
-    ttft: float
-    e2e: float
-    tokens: int
-
-
-def load_prompts(n: int) -> list[str]:
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return [r["prompt"] for r in rows[:n]]
+# the same streaming client and workload as the serving benchmark (this script's folder is on sys.path)
+from bench_serve import load_prompts, one_request
 
 
 def free_port() -> int:
@@ -69,28 +56,6 @@ def wait_healthy(url: str, timeout: float = 600) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {timeout} s")
-
-
-def one_request(client, model: str, prompt: str, max_tokens: int) -> Sample:
-    t0 = time.perf_counter()
-    first = None
-    stream = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    tokens = 0
-    for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].text:
-            first = time.perf_counter()
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    end = time.perf_counter()
-    return Sample((first or end) - t0, end - t0, tokens)
 
 
 def measure(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict[str, float]:
