@@ -15,12 +15,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from paged_harness import PagedHarness
 
 from warmcap.models.loader import load_model
+from warmcap.models.packed_linear import unpack_linears
 
 
 def greedy_logits(model_dir: str, prompts: list[list[int]], steps: int) -> dict[str, object]:
     """Prefill ``prompts`` in one batch, then ``steps`` batched greedy decode steps over the paged
     KV cache; the tokens, every step's last-position logits and this process's KV head count."""
     model = load_model(model_dir)
+    # Plain GEMMs as the shards run them: this compares the sharding, not oneDNN's packed kernel
+    # (which the loader gives an unsharded CPU model) against MKL's rounding.
+    unpack_linears(model)
     specs = model.kv_layer_specs(16)
     harness = PagedHarness(model, specs)
     ids = [f"r{i}" for i in range(len(prompts))]

@@ -17,6 +17,7 @@ from warmcap.contracts.backends import MAX_UNIFORM_QUERY_LEN
 from warmcap.contracts.metadata import MambaMetadata
 from warmcap.models.loader import load_model
 from warmcap.models.mamba2 import Mamba2Mixer
+from warmcap.models.packed_linear import running_unpacked
 from warmcap.models.presets import resolve_model
 from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry
@@ -168,7 +169,8 @@ def fake_forward(
         backend_registry(TorchPagedAttention()),
         {GROUP: "mamba"},
     )
-    with mode, torch.no_grad():
+    # the packed copy of a CPU linear's weight is no parameter: run the linears on the fake ones
+    with running_unpacked(mixer.modules()), mode, torch.no_grad():
         return functional_call(mixer, params, (mode.from_tensor(x), ctx))
 
 

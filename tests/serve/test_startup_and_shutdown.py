@@ -79,7 +79,7 @@ def test_serve_enforce_eager_becomes_ready_with_no_graphs_and_audits_serving(mon
 
     seen = {}
 
-    def capture(config, options, *, host, port):
+    def capture(config, options, *, host, port, model_threads=None):
         seen.update(config=config, options=options)
 
     monkeypatch.setattr(warmcap.serve.server, "serve", capture)

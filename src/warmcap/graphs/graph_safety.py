@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from warmcap.graphs.planning import GraphSpec
+from warmcap.models.packed_linear import running_unpacked
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:
@@ -204,15 +205,21 @@ def _fakes_installed(capturer: GraphCapturer, faker: _Faker) -> Iterator[None]:
         fake_statics.features = faker.value(statics.features, "features")
     backend_state = _containers(runner.attn_backend)
     swapped: list[tuple[dict[str, Any], str, Any]] = []
+    modules = _modules(capturer)
+    # NOTE: a CPU linear's oneDNN-packed weight copy is not a parameter and cannot be faked; the
+    # linears multiply by their (fake) parameters instead, as they do on CUDA, which never packs.
     try:
-        for module in _modules(capturer):
+        for module in modules:
             for table in (module._parameters, module._buffers):
                 for name, t in table.items():
                     if t is not None:
                         swapped.append((table, name, t))
                         table[name] = faker.tensor(t, name)
-        with runner.substituted(
-            buffers=faker.copy(runner.buffers), kv_caches=fake_kv, draft_buffers=fake_statics
+        with (
+            running_unpacked(modules),
+            runner.substituted(
+                buffers=faker.copy(runner.buffers), kv_caches=fake_kv, draft_buffers=fake_statics
+            ),
         ):
             yield
     finally:

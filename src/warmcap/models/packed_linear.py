@@ -17,6 +17,9 @@ have their own kernels.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -98,3 +101,19 @@ def prepacked_bytes(modules: list[nn.Module], device: torch.device, *, batch_inv
             seen.add(id(sub))
             total += sub.weight.numel() * sub.weight.element_size()
     return total
+
+
+@contextmanager
+def running_unpacked(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Within the block, the :class:`PackedLinear` among ``modules`` multiply by their parameter as a
+    plain ``nn.Linear`` does (their packed copies kept, nothing re-packed on exit). For passes that
+    swap parameters for other tensors, e.g. fake ones (``graphs/graph_safety.py``): the packed copy
+    is a oneDNN tensor outside such a swap."""
+    packed = [m for m in modules if type(m) is PackedLinear]
+    for module in packed:
+        module.__class__ = nn.Linear
+    try:
+        yield
+    finally:
+        for module in packed:
+            module.__class__ = PackedLinear
