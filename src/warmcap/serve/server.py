@@ -56,7 +56,7 @@ def serving_model_threads(device: str, requested: int | None) -> int | None:
                 f"--model-threads {requested} must be at least 1 (or left unset for all cores but one)"
             )
         return requested
-    if device not in ("cpu", "auto") or (device == "auto" and resolve_device("auto").type != "cpu"):
+    if resolve_device(device).type != "cpu":
         return None
     if os.environ.get("OMP_NUM_THREADS"):
         return None
