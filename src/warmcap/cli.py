@@ -166,9 +166,31 @@ def _tp_option(*, for_plan: bool = False) -> Any:
     extra = (
         " The plan is the same for every rank, so it does not change the output."
         if for_plan
-        else " Rank 0 is this process, ranks 1..N-1 are spawned worker processes (gloo on CPU, NCCL on CUDA)."
+        else " Rank 0 is this process, ranks 1..N-1 are spawned worker processes (gloo on CPU, NCCL on "
+        "CUDA); with RANK set (torchrun, several machines) every rank is started by the launcher and "
+        "this command on RANK > 0 serves as a worker."
     )
     return typer.Option(1, "--tensor-parallel-size", "-tp", help="Ranks to shard the model over." + extra)
+
+
+def _worker_if_launched(tensor_parallel_size: int, *, quiet: bool, verbose: bool) -> None:
+    """Under a launcher (``RANK`` > 0 in the environment) an engine command is a worker rank: the
+    same command line then runs on every rank, as torchrun starts it (docs/parallel.md)."""
+    from warmcap.distributed.launch import is_launched_worker
+
+    if tensor_parallel_size > 1 and is_launched_worker():
+        raise typer.Exit(_run_worker(quiet=quiet, verbose=verbose))
+
+
+def _run_worker(*, quiet: bool, verbose: bool, timeout_s: float | None = None) -> int:
+    from logging import INFO
+
+    from warmcap.distributed.launch import run_launched_worker
+    from warmcap.progress import configure_logging, log_level
+
+    _one_of(quiet=quiet, verbose=verbose)
+    configure_logging(err, log_level(quiet=quiet, verbose=verbose, default=INFO))
+    return run_launched_worker() if timeout_s is None else run_launched_worker(timeout_s=timeout_s)
 
 
 # ---- warmup plan ---------------------------------------------------------------------------------
@@ -289,6 +311,7 @@ def generate(
     Start-up is sized for this one request (one sequence, a context of prompt + max_tokens), so
     the first token comes soon; raise --max-num-seqs / --max-model-len to size it like a server.
     """
+    _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
     from warmcap.config import SpeculativeConfig
     from warmcap.engine import resolve_model_path
     from warmcap.llm import LLM
@@ -425,6 +448,7 @@ def run(
 
     Exits 1 on any warmup audit violation (always) or failed graph verification (with --strict).
     """
+    _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
     from pathlib import Path
 
     from warmcap.graphs.render import render
@@ -609,6 +633,7 @@ def serve(
 
     Exits 1 when start-up fails or finds a stray KV write; 0 after SIGINT/SIGTERM.
     """
+    _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
     from warmcap.graphs.sizes import parse_capture_sizes
     from warmcap.serve.app import ServeOptions
     from warmcap.serve.server import serve as run_server
@@ -649,6 +674,27 @@ def serve(
     if failure is not None:
         err.print(f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure)}", highlight=False)
         raise typer.Exit(1)
+
+
+# ---- warmup worker -------------------------------------------------------------------------------
+
+
+@app.command()
+@_user_errors
+def worker(
+    timeout: float = typer.Option(
+        60.0, help="Seconds to wait for rank 0 to open the group, and for any one collective."
+    ),
+    quiet: bool = _quiet_option(),
+    verbose: bool = _verbose_option(),
+) -> None:
+    """Serve as tensor-parallel rank RANK > 0 of an engine whose ranks a launcher started.
+
+    Reads the torch.distributed environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK; LOCAL_RANK
+    picks the GPU). Rank 0 runs the engine's command with -tp WORLD_SIZE and sends this rank its
+    config, so no model flags are needed. Exits 0 when rank 0 shuts the engine down, 1 on failure.
+    """
+    raise typer.Exit(_run_worker(quiet=quiet, verbose=verbose, timeout_s=timeout))
 
 
 # ---- warmup accept -------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """How rank 0 drives the worker ranks: Python objects broadcast over a gloo process group.
 
-Every command (a step's ``SchedulerOutput``, a start-up hook, stop) and every per-step agreement
+Every command (the engine's config at start, a step's ``SchedulerOutput``, a start-up hook, stop) and every per-step agreement
 (the sampled tokens) travels with ``torch.distributed.broadcast_object_list`` from rank 0, and
 per-rank results come back with ``gather_object``. They ride a second process group made for them:
 always ``gloo`` (the objects are pickled into CPU tensors, also when the model's group is NCCL) and
@@ -36,6 +36,16 @@ def _reduce_mapping_proxy(proxy: MappingProxyType) -> tuple[Any, tuple[dict]]:
 # "no new blocks" result between requests, core/kv_cache_manager.py); pickle has no rule for them,
 # so a broadcast rebuilds each as the same read-only view of a copy.
 copyreg.pickle(MappingProxyType, _reduce_mapping_proxy)
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """The first command: rank 0's finished engine config, where it loaded the model from and its
+    device; a worker builds its rank from these (``distributed/worker.py:build_rank``)."""
+
+    config: Any
+    model_path: Any
+    device: Any
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,10 @@
 """Rank 0's side of a tensor-parallel engine: start the worker ranks, drive them, watch them.
 
 ``LLMEngine`` (``engine.py``) builds a :class:`TPExecutor` when ``tensor_parallel_size > 1``,
-before it loads its own shard. The executor spawns ranks 1..N-1 (:mod:`warmcap.distributed.worker`),
-joins the group as rank 0 in the engine's own process and opens the command channel. From then on:
+before it loads its own shard. The executor spawns ranks 1..N-1 (:mod:`warmcap.distributed.worker`)
+— or finds them started by a launcher (``RANK`` set, :mod:`warmcap.distributed.launch`) —, joins
+the group as rank 0 in the engine's own process, opens the command channel and sends every worker
+the engine's config (:class:`~warmcap.distributed.channel.Launch`). From then on:
 
 - the engine's runner is a :class:`~warmcap.distributed.tp_runner.TPModelRunner` built by
   :meth:`TPExecutor.make_runner`, which announces each step to the workers;
@@ -11,7 +13,8 @@ joins the group as rank 0 in the engine's own process and opens the command chan
   made once, here, and sent with the hook; each rank audits its own KV writes, scrubs its own
   tensors and verifies its own graphs; the summaries come back as per-rank report rows.
 
-Failures: workers are watched as :mod:`warmcap.distributed.spawn` watches ranks. Any error while the
+Failures: workers are watched (:mod:`warmcap.distributed.workers`: process handles for spawned
+workers, heartbeats and error reports in the group's store for launched ones). Any error while the
 ranks work together becomes a :class:`~warmcap.distributed.spawn.RankFailedError` naming the rank
 that died or raised (a worker's own error message included), every worker is stopped, and the
 engine refuses further steps. :meth:`TPExecutor.shutdown` (also run at interpreter exit) stops the
@@ -26,7 +29,6 @@ import functools
 import inspect
 import logging
 import pickle
-import queue as queue_mod
 import threading
 import time
 from collections.abc import Iterator
@@ -37,18 +39,21 @@ import torch
 import torch.multiprocessing as mp
 
 from warmcap.config import EngineConfig
-from warmcap.distributed.channel import CommandChannel, RunHook, Stop
+from warmcap.distributed.channel import CommandChannel, Launch, RunHook, Stop
 from warmcap.distributed.rank_report import rank_rows, summarize
 from warmcap.distributed.rendezvous import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     Rendezvous,
     join_group,
+    launched_rank,
+    launched_rendezvous,
     leave_group,
     rendezvous_for,
 )
-from warmcap.distributed.spawn import DEATH_GRACE_S, POLL_S, RankFailedError, describe_exit, stop_processes
+from warmcap.distributed.spawn import POLL_S, RankFailedError
 from warmcap.distributed.tp_runner import TPModelRunner
 from warmcap.distributed.worker import worker_main
+from warmcap.distributed.workers import LaunchedWorkers, SpawnedWorkers, WorkerWatch
 from warmcap.errors import ConfigError, WarmcapError
 
 if TYPE_CHECKING:
@@ -69,10 +74,9 @@ class TensorParallelStoppedError(WarmcapError):
 class TPExecutor:
     """Rank 0 of a tensor-parallel group; see the module docstring. Build with :meth:`start`."""
 
-    def __init__(self, world_size: int, procs: list[Any], errors: Any) -> None:
+    def __init__(self, world_size: int, workers: WorkerWatch) -> None:
         self.world_size = world_size
-        self._procs = procs
-        self._errors = errors
+        self._workers = workers
         self._channel: CommandChannel | None = None
         self._stopped: str | None = None
         self._halted = False
@@ -88,7 +92,9 @@ class TPExecutor:
         *,
         timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ) -> TPExecutor:
-        """Spawn ranks 1..N-1 and join the group as rank 0 in this process.
+        """Join the group as rank 0 in this process, with ranks 1..N-1 spawned here, or, when a
+        launcher set ``RANK=0`` (:mod:`warmcap.distributed.launch`), started by that launcher.
+        Then every worker gets this config and builds its rank.
 
         NOTE: the parallel state is process-global (``contracts/parallel.py``): one
         tensor-parallel engine per process at a time, and a model built in this process before
@@ -102,19 +108,45 @@ class TPExecutor:
                 "engine is running): shut it down first (LLM.shutdown()), one TP engine per process"
             )
         n = config.tensor_parallel_size
+        launched = launched_rank()
+        if launched is None:
+            executor, rendezvous = cls._spawn(n, device, timeout_s)
+        else:
+            if launched != 0:
+                raise ConfigError(
+                    f"RANK={launched} in the environment: this process is a worker of a multi-process "
+                    "launch and cannot run an engine; start it with `warmup worker` (or the same warmup "
+                    "command as rank 0), or call warmcap.distributed.launch.run_launched_worker()"
+                )
+            rendezvous = launched_rendezvous(device_type=device.type)
+            if rendezvous.world_size != n:
+                raise ConfigError(
+                    f"WORLD_SIZE={rendezvous.world_size} in the environment but tensor_parallel_size = {n}; "
+                    "set them to the same value"
+                )
+            executor = cls(n, LaunchedWorkers(n))
+            atexit.register(executor.shutdown)
+        with executor.guarded():
+            executor._join(rendezvous, timeout_s)
+            executor._channel = CommandChannel.open(0, n)
+            executor._channel.share(Launch(config, Path(model_path).resolve(), device))
+        return executor
+
+    @classmethod
+    def _spawn(cls, n: int, device: torch.device, timeout_s: float) -> tuple[TPExecutor, Rendezvous]:
         rendezvous = rendezvous_for(n, device_type=device.type)
         ctx = mp.get_context("spawn")
         errors = ctx.Queue()
         procs = [
             ctx.Process(
                 target=worker_main,
-                args=(rank, rendezvous, config, model_path, device, timeout_s, errors),
+                args=(rank, rendezvous, timeout_s, errors),
                 name=f"warmcap-tp-rank{rank}",
                 daemon=True,
             )
             for rank in range(1, n)
         ]
-        executor = cls(n, procs, errors)
+        executor = cls(n, SpawnedWorkers(procs, errors))
         atexit.register(executor.shutdown)
         try:
             for p in procs:
@@ -122,10 +154,7 @@ class TPExecutor:
         except BaseException:
             executor._halt()
             raise
-        with executor.guarded():
-            executor._join(rendezvous, timeout_s)
-            executor._channel = CommandChannel.open(0, n)
-        return executor
+        return executor, rendezvous
 
     def _join(self, rendezvous: Rendezvous, timeout_s: float) -> None:
         """Join the group as rank 0, watching the workers meanwhile: one that dies before it joins
@@ -143,7 +172,7 @@ class TPExecutor:
         joiner.start()
         while joiner.is_alive():
             joiner.join(POLL_S)
-            if joiner.is_alive() and self._dead_worker() is not None:
+            if joiner.is_alive() and self._workers.dead() is not None:
                 raise self._failure(None)
         if failed:
             raise failed[0]
@@ -158,8 +187,10 @@ class TPExecutor:
 
     @property
     def worker_pids(self) -> list[int]:
-        """Process ids of ranks 1..N-1, in rank order."""
-        return [int(p.pid) for p in self._procs]
+        """Process ids of ranks 1..N-1, in rank order, when this process spawned them."""
+        if not isinstance(self._workers, SpawnedWorkers):
+            raise RuntimeError("the workers were started by a launcher, not by this process")
+        return self._workers.pids
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest of every rank's pool size, so every rank holds the same block ids."""
@@ -219,8 +250,7 @@ class TPExecutor:
             raise TensorParallelStoppedError(
                 f"the tensor-parallel group is stopped ({self._stopped}): start a new engine"
             )
-        dead = self._dead_worker()
-        if dead is not None:
+        if self._workers.dead() is not None:
             raise self._failure(None)
         try:
             yield
@@ -234,10 +264,11 @@ class TPExecutor:
         """The error to raise for a failed group, after stopping it: the worker that reported an
         error or died (waiting briefly for one: a peer's death is the likelier cause of rank 0's
         error), else rank 0's own ``error``."""
-        end = time.monotonic() + (DEATH_GRACE_S if error is not None else 0.0)
+        end = time.monotonic() + (self._workers.grace_s if error is not None else 0.0)
         culprit: RankFailedError | None = None
         while culprit is None:
-            culprit = self._reported_error() or self._death()
+            report = self._workers.reported()
+            culprit = _reported(*report) if report is not None else self._death()
             if culprit is not None or time.monotonic() >= end:
                 break
             time.sleep(POLL_S / 4)
@@ -250,36 +281,18 @@ class TPExecutor:
         assert error is not None
         return error
 
-    def _reported_error(self) -> RankFailedError | None:
-        try:
-            rank, message, trace = self._errors.get_nowait()
-        except (queue_mod.Empty, OSError, ValueError):
-            return None
-        return _reported(rank, message, trace)
-
     def _death(self) -> RankFailedError | None:
-        rank = self._dead_worker()
-        if rank is None:
-            return None
-        # A worker that raised puts its error on the queue just before it exits.
-        with contextlib.suppress(queue_mod.Empty, OSError, ValueError):
-            r, message, trace = self._errors.get(timeout=POLL_S)
-            return _reported(r, message, trace)
-        what = describe_exit(self._procs[rank - 1])
-        if self._channel is None:
+        death = self._workers.death()
+        if death is not None and self._channel is None and isinstance(self._workers, SpawnedWorkers):
             # Died before joining and reported nothing: most often the spawned process failed to
             # import the script that started the engine.
-            what += (
-                " while starting; workers are spawned processes that import the main script, so a "
-                'script that starts a tensor-parallel engine must do it under if __name__ == "__main__":'
+            return RankFailedError(
+                death.rank,
+                f"{str(death).partition(': ')[2]} while starting; workers are spawned processes that "
+                "import the main script, so a script that starts a tensor-parallel engine must do it "
+                'under if __name__ == "__main__":',
             )
-        return RankFailedError(rank, what)
-
-    def _dead_worker(self) -> int | None:
-        for rank, p in enumerate(self._procs, start=1):
-            if p.exitcode is not None:
-                return rank
-        return None
+        return death
 
     def _halt(self, grace_s: float = 0.0) -> None:
         # NOTE: once only: a late second call (the LLM's __del__ after shutdown()) must not leave
@@ -287,7 +300,7 @@ class TPExecutor:
         if self._halted:
             return
         self._halted = True
-        stop_processes(self._procs, grace_s=grace_s)
+        self._workers.stop(grace_s=grace_s)
         leave_group()
         self._channel = None
         with contextlib.suppress(Exception):

@@ -1,8 +1,10 @@
 """Where the ranks of a tensor-parallel group meet, and how one process joins as one rank.
 
 The standard torch.distributed environment decides when it is set (``MASTER_ADDR``,
-``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``: a multi-node launch); otherwise the group meets on
-127.0.0.1 at a free port. The backend is ``gloo`` on CPU and ``nccl`` on CUDA.
+``MASTER_PORT``, ``WORLD_SIZE``; with ``RANK`` a launcher started every rank itself, see
+:mod:`warmcap.distributed.launch`); otherwise the group meets on 127.0.0.1 at a free port. The
+backend is ``gloo`` on CPU and ``nccl`` on CUDA. The group's key-value store (a ``TCPStore`` served
+by rank 0) is kept: workers leave their errors and heartbeats in it for rank 0 to read.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from warmcap.errors import ConfigError
 
 #: seconds a collective may wait for the other ranks before it fails (instead of hanging)
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+
+#: the variables a launcher sets for every rank (torchrun, a job scheduler, or by hand)
+LAUNCH_ENV: tuple[str, ...] = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+#: this process's group store while it belongs to a group (see :func:`group_store`)
+_store: dist.TCPStore | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,28 +67,90 @@ def rendezvous_for(world_size: int, *, device_type: str = "cpu") -> Rendezvous:
     return Rendezvous("127.0.0.1", free_port(), world_size, backend)
 
 
+def launched_rank() -> int | None:
+    """This process's rank when a launcher started every rank itself (``RANK`` is set), else None.
+
+    Raises :class:`ConfigError` when ``RANK`` is set but the rest of the launch environment is
+    missing or does not add up, naming the variable and its value.
+    """
+    raw = os.environ.get("RANK")
+    if raw is None:
+        return None
+    missing = [name for name in LAUNCH_ENV if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"RANK={raw} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a "
+            f"multi-process launch needs all of {', '.join(LAUNCH_ENV)} (torchrun sets them); unset RANK "
+            "to let rank 0 start its workers on this machine"
+        )
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        try:
+            values[name] = int(os.environ[name])
+        except ValueError:
+            raise ConfigError(f"{name}={os.environ[name]!r} is not an integer; set it to one") from None
+    rank, world = values["RANK"], values["WORLD_SIZE"]
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(
+            f"RANK={rank} with WORLD_SIZE={world}: a rank must be in 0..WORLD_SIZE-1; fix the launch "
+            "environment"
+        )
+    return rank
+
+
+def launched_rendezvous(*, device_type: str = "cpu") -> Rendezvous:
+    """The meeting point a launcher set in the environment (see :func:`launched_rank`)."""
+    launched_rank()  # checks the whole environment
+    return Rendezvous(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        "nccl" if device_type == "cuda" else "gloo",
+    )
+
+
 def join_group(
     rank: int, rendezvous: Rendezvous, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 ) -> ParallelState:
     """Join the process group as ``rank`` and make it this process's parallel state.
 
     ``timeout_s`` bounds every collective: a rank whose peer died fails with an error after at most
-    that long instead of waiting forever.
+    that long instead of waiting forever. It also bounds the wait for the other ranks to arrive.
     """
-    dist.init_process_group(
-        rendezvous.backend,
-        init_method=rendezvous.init_method,
-        rank=rank,
-        world_size=rendezvous.world_size,
-        timeout=timedelta(seconds=timeout_s),
+    global _store
+    timeout = timedelta(seconds=timeout_s)
+    # NOTE: the store is made here rather than by init_process_group so this process keeps a handle
+    # on it (group_store). Rank 0 serves it, so it lives as long as the engine's process — unless
+    # torchrun's agent already serves one at MASTER_PORT (it says so in the environment), which
+    # every rank then joins as a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        rendezvous.master_addr,
+        rendezvous.master_port,
+        rendezvous.world_size,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
     )
+    dist.init_process_group(
+        rendezvous.backend, store=store, rank=rank, world_size=rendezvous.world_size, timeout=timeout
+    )
+    _store = store
     state = ParallelState(rank=rank, world_size=rendezvous.world_size)
     set_parallel_state(state)
     return state
 
 
+def group_store() -> dist.TCPStore:
+    """The key-value store of the group this process belongs to."""
+    if _store is None:
+        raise RuntimeError("this process belongs to no tensor-parallel group (join_group first)")
+    return _store
+
+
 def leave_group() -> None:
     """Destroy this process's group (if any) and return to the single-process state."""
+    global _store
     set_parallel_state(None)
+    _store = None
     if dist.is_initialized():
         dist.destroy_process_group()

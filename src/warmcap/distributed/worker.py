@@ -1,7 +1,9 @@
 """A worker rank (1..N-1) of a tensor-parallel engine: its own process, model shard, KV tensors
 and runner, driven by rank 0's commands (:mod:`warmcap.distributed.channel`).
 
-Start-up mirrors ``LLMEngine.__init__`` (``engine.py``) step for step where the ranks must agree:
+A worker learns what to build from rank 0's first command (:class:`~warmcap.distributed.channel.Launch`:
+the engine's finished config, model path and device). Start-up then mirrors ``LLMEngine.__init__``
+(``engine.py``) step for step where the ranks must agree:
 load this rank's shard -> build the (replicated) drafter -> KV groups and this rank's pool size ->
 the smallest pool over the ranks -> KV cache manager and runner. Then the worker waits for commands
 until :class:`~warmcap.distributed.channel.Stop`. Any error is reported to rank 0 through
@@ -21,7 +23,7 @@ from warmcap.assembly import assemble
 from warmcap.config import EngineConfig
 from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
-from warmcap.distributed.channel import CommandChannel, RunHook, Step, Stop
+from warmcap.distributed.channel import CommandChannel, Launch, RunHook, Step, Stop
 from warmcap.distributed.rank_report import summarize
 from warmcap.distributed.rendezvous import Rendezvous, join_group, leave_group
 from warmcap.distributed.tp_runner import TPModelRunner
@@ -31,25 +33,18 @@ from warmcap.runner_v2.model_runner import TORCH_DTYPES
 from warmcap.startup_hooks import StartupContext, hook_name
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device: ``cuda:rank`` on CUDA (one GPU per rank), else ``device`` itself."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank's device: ``cuda:<local_rank>`` on CUDA (one GPU per rank on each machine), else
+    ``device`` itself."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-def worker_main(
-    rank: int,
-    rendezvous: Rendezvous,
-    config: EngineConfig,
-    model_path: Path,
-    device: torch.device,
-    timeout_s: float,
-    errors: Any,
-) -> None:
-    """The worker process: join the group, build this rank, serve commands until told to stop."""
+def worker_main(rank: int, rendezvous: Rendezvous, timeout_s: float, errors: Any) -> None:
+    """A spawned worker process: join the group, build this rank, serve commands until told to stop."""
     try:
         join_group(rank, rendezvous, timeout_s=timeout_s)
         channel = CommandChannel.open(rank, rendezvous.world_size)
-        serve_commands(build_rank(rank, config, model_path, device, channel), channel)
+        serve_commands(build_rank(rank, receive_launch(channel), channel), channel)
     except BaseException as e:
         errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         leave_group()
@@ -57,15 +52,32 @@ def worker_main(
     leave_group()
 
 
+def receive_launch(channel: CommandChannel) -> Launch:
+    """Rank 0's first command: what this rank is to build."""
+    launch = channel.share()
+    if not isinstance(launch, Launch):
+        raise TypeError(f"worker expected rank 0's launch command first, got {launch!r}")
+    return launch
+
+
 def build_rank(
-    rank: int, config: EngineConfig, model_path: Path, device: torch.device, channel: CommandChannel
+    rank: int,
+    launch: Launch,
+    channel: CommandChannel,
+    *,
+    model_path: Path | None = None,
+    local_rank: int | None = None,
 ) -> StartupContext:
     """This rank's shard, drafter, KV groups, pool (the ranks' smallest), manager and runner, as the
-    start-up context its hooks run on. ``config`` is rank 0's finished config."""
+    start-up context its hooks run on. ``launch`` carries rank 0's finished config; ``model_path``
+    overrides its model path (a launched worker on another machine finds the model there) and
+    ``local_rank`` picks this rank's GPU on its machine (default: ``rank``)."""
     from warmcap.models.loader import load_hf_config, load_model
     from warmcap.runner_v2.attention.selector import select_backend
 
-    device = rank_device(device, rank)
+    config: EngineConfig = launch.config
+    model_path = model_path or launch.model_path
+    device = rank_device(launch.device, rank if local_rank is None else local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     hf_config = load_hf_config(model_path)
