@@ -3,8 +3,11 @@ already scrape. The server's other series live in :mod:`warmcap.serve.metrics`."
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -28,10 +31,11 @@ _PER_POS = (
 
 @dataclass(slots=True)
 class SpecDecodeMetrics:
-    """Running totals over every verified draft.
+    """Running totals over every verified draft — or, read back from a ``/metrics`` scrape or a
+    stored baseline, the counts between two readings (``warmup/acceptance.py``, :meth:`since`).
 
     A *draft* is one request's proposal verified in one step; ``accepted_per_pos[i]`` counts drafts
-    whose first ``i + 1`` tokens were all accepted.
+    whose first ``i + 1`` tokens were all accepted, so the per-position rates never rise.
     """
 
     num_drafts: int = 0
@@ -85,7 +89,61 @@ class SpecDecodeMetrics:
             return [0.0] * len(self.accepted_per_pos)
         return [count / self.num_drafts for count in self.accepted_per_pos]
 
-    def as_dict(self) -> dict[str, object]:
+    def padded(self, num_positions: int) -> SpecDecodeMetrics:
+        """A copy with the per-position series extended by zeros to ``num_positions``."""
+        extra = max(num_positions - len(self.accepted_per_pos), 0)
+        return SpecDecodeMetrics(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            [*self.accepted_per_pos, *[0] * extra],
+        )
+
+    def since(self, before: SpecDecodeMetrics) -> SpecDecodeMetrics:
+        """What was counted after ``before`` was read, as a new value (counters only grow)."""
+        n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
+        now, then = self.padded(n), before.padded(n)
+        return SpecDecodeMetrics(
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            [a - b for a, b in zip(now.accepted_per_pos, then.accepted_per_pos, strict=True)],
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpecDecodeMetrics:
+        """Counts written by :meth:`as_dict` (a stored baseline), checked: non-negative integers,
+        per-position counts that never rise and sum to the accepted tokens, and derived rates, when
+        written, that agree with the counts. Raises ``ValueError`` saying which does not hold."""
+        counts = (data["num_drafts"], data["num_draft_tokens"], data["num_accepted_tokens"])
+        per_pos = list(data["accepted_per_pos"])
+        if not all(isinstance(v, int) and v >= 0 for v in (*counts, *per_pos)):
+            raise ValueError("counts must be non-negative integers")
+        if any(a < b for a, b in itertools.pairwise((counts[0], *per_pos))):
+            raise ValueError(
+                f"accepted_per_pos {per_pos} rises with the position or exceeds num_drafts "
+                f"{counts[0]}: a draft accepted at position i + 1 was accepted at i"
+            )
+        if sum(per_pos) != counts[2]:
+            raise ValueError(
+                f"accepted_per_pos sums to {sum(per_pos)} but num_accepted_tokens is {counts[2]}"
+            )
+        metrics = cls(*counts, per_pos)
+        # NOTE: the rates are written for readers and derived from the counts on load; a hand edit
+        # of a rate alone would otherwise be ignored silently.
+        derived = metrics.as_dict()
+        for key in ("acceptance_length", "acceptance_rate", "per_position_rates"):
+            written, want = data.get(key, derived[key]), derived[key]
+            pairs = zip(written, want, strict=False) if isinstance(want, list) else [(written, want)]
+            if (isinstance(want, list) and len(written) != len(want)) or not all(
+                math.isclose(w, d, rel_tol=1e-9) for w, d in pairs
+            ):
+                raise ValueError(
+                    f"{key} {written} disagree with the counts (derived: {want}): edit the counts"
+                )
+        return metrics
+
+    def as_dict(self) -> dict[str, Any]:
         """Plain numbers for JSON results (same values as the Prometheus counters)."""
         return {
             "num_drafts": self.num_drafts,

@@ -28,7 +28,7 @@ from warmcap.metrics import SpecDecodeMetrics
 from warmcap.serve.metrics import ServingMetrics
 from warmcap.warmup import accept as acc
 from warmcap.warmup import accept_baseline as ab
-from warmcap.warmup.acceptance import Acceptance, read_acceptance
+from warmcap.warmup.acceptance import read_acceptance
 
 runner = CliRunner()
 TINY = ["--model", "tiny-llama", "--spec", "ngram:3"]
@@ -91,20 +91,22 @@ def test_server_exposition_is_read_for_its_model_only() -> None:
     text = ServingMetrics("ours", lambda: ours, 3).render().decode()
     text += theirs.to_prometheus({"model_name": "theirs"})
     reading = read_acceptance(text, model_name="ours")
-    assert (reading.num_drafts, reading.accepted_per_pos) == (3, (2, 2, 1))
+    assert (reading.num_drafts, reading.accepted_per_pos) == (3, [2, 2, 1])
     with pytest.raises(WarmcapError, match="no vllm:spec_decode_num_drafts_total counter"):
         read_acceptance("# nothing here\nup 1\n")
 
 
 def test_compare_fails_a_drop_beyond_rtol_and_only_flags_a_rise() -> None:
-    base = Acceptance(10, 30, 15, (8, 5, 2))
+    base = SpecDecodeMetrics(10, 30, 15, [8, 5, 2])
     assert ab.compare(base, base, 0.0).passed
-    worse = Acceptance(10, 30, 14, (8, 5, 1))
+    worse = SpecDecodeMetrics(10, 30, 14, [8, 5, 1])
     result = ab.compare(base, worse, 0.05)
     assert [c.status for c in result.checks] == ["PASS", "PASS", "PASS", "FAIL"]
     assert not result.passed
     # 4 % lower is inside 5 %: a tolerance, not a demand for equality.
-    assert ab.compare(Acceptance(100, 300, 150, (80, 50, 20)), Acceptance(100, 300, 149, (80, 50, 19))).passed
+    assert ab.compare(
+        SpecDecodeMetrics(100, 300, 150, [80, 50, 20]), SpecDecodeMetrics(100, 300, 149, [80, 50, 19])
+    ).passed
     better = ab.compare(worse, base, 0.05)
     assert better.passed and better.checks[-1].status == "HIGH"
 
@@ -135,8 +137,8 @@ def test_a_position_raised_20_percent_in_the_baseline_fails_and_is_named(
     counts = list(data["accepted_per_pos"])
     assert counts[0] > 0
     counts[0] = -(-counts[0] * 12 // 10)
-    raised = Acceptance(data["num_drafts"], data["num_draft_tokens"], sum(counts), tuple(counts))
-    path = doctored(tiny_baseline, tmp_path / "raised.json", acceptance=raised.to_json())
+    raised = SpecDecodeMetrics(data["num_drafts"], data["num_draft_tokens"], sum(counts), list(counts))
+    path = doctored(tiny_baseline, tmp_path / "raised.json", acceptance=raised.as_dict())
 
     res = invoke(*TINY, "--baseline", str(path))
     assert res.exit_code == 1, res.output
@@ -179,14 +181,14 @@ def test_a_hand_edited_rate_or_a_missing_baseline_is_exit_2(tiny_baseline: Path,
     assert res.exit_code == 2 and "disagree with the counts: edit the counts" in res.stderr
 
     counts = data["acceptance"]["accepted_per_pos"]
-    rising = Acceptance(
+    rising = SpecDecodeMetrics(
         data["acceptance"]["num_drafts"],
         data["acceptance"]["num_draft_tokens"],
         sum(counts),
-        tuple(reversed(counts)),
+        list(reversed(counts)),
     )
-    assert rising.accepted_per_pos != tuple(counts)
-    path.write_text(json.dumps({**data, "acceptance": rising.to_json()}))
+    assert rising.accepted_per_pos != counts
+    path.write_text(json.dumps({**data, "acceptance": rising.as_dict()}))
     res = invoke(*TINY, "--baseline", str(path))
     assert res.exit_code == 2 and "rises with the position" in res.stderr
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from warmcap.errors import WarmcapError
-from warmcap.warmup.acceptance import Acceptance, read_acceptance
+from warmcap.metrics import SpecDecodeMetrics
+from warmcap.warmup.acceptance import read_acceptance
 
 if TYPE_CHECKING:
     from warmcap.config import SpeculativeConfig
@@ -94,7 +95,7 @@ class Measurement:
     """One pass of the prompt set: the counters it moved and the tokens it generated."""
 
     source: str
-    acceptance: Acceptance
+    acceptance: SpecDecodeMetrics
     completion_tokens: int
 
 
@@ -178,7 +179,7 @@ def measure_server(
     scrape_url = scrape_url if scrape_url.endswith("/metrics") else scrape_url + "/metrics"
     client = openai.OpenAI(base_url=base + "/v1", api_key=api_key or "unused", max_retries=0, timeout=timeout)
 
-    def scrape() -> Acceptance:
+    def scrape() -> SpecDecodeMetrics:
         try:
             response = httpx.get(scrape_url, timeout=30)
         except httpx.HTTPError as exc:
@@ -217,7 +218,7 @@ def measure_server(
 
 
 def _measure(
-    source: str, read: Callable[[], Acceptance], requests: Iterable[int], num_positions: int
+    source: str, read: Callable[[], SpecDecodeMetrics], requests: Iterable[int], num_positions: int
 ) -> Measurement:
     before = read()
     # ``requests`` is lazy: the prompts run here, between the two readings.
@@ -225,7 +226,7 @@ def _measure(
     return Measurement(source, read().since(before).padded(num_positions), tokens)
 
 
-def _check_positions(reading: Acceptance, spec: SpeculativeConfig, where: str) -> None:
+def _check_positions(reading: SpecDecodeMetrics, spec: SpeculativeConfig, where: str) -> None:
     # NOTE: a server exposes one per-position series per draft token from start-up, so the series
     # count is the k it drafts; more series than --spec's k means another setting is being measured.
     if len(reading.accepted_per_pos) > spec.num_speculative_tokens:

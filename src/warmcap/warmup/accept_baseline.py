@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from warmcap import __version__
 from warmcap.errors import WarmcapError
-from warmcap.warmup.acceptance import Acceptance
+from warmcap.metrics import SpecDecodeMetrics
 
 if TYPE_CHECKING:
     from warmcap.config import SpeculativeConfig
@@ -49,7 +49,7 @@ class Baseline:
     spec: dict[str, Any]
     prompt_set_sha256: str
     max_tokens: int
-    acceptance: Acceptance
+    acceptance: SpecDecodeMetrics
     warmcap_version: str = __version__
     #: how it was measured (informational: CPU greedy runs are deterministic)
     notes: dict[str, Any] = field(default_factory=dict)
@@ -63,7 +63,7 @@ class Baseline:
             "max_tokens": self.max_tokens,
             "warmcap_version": self.warmcap_version,
             "notes": self.notes,
-            "acceptance": self.acceptance.to_json(),
+            "acceptance": self.acceptance.as_dict(),
         }
         return json.dumps(data, indent=1) + "\n"
 
@@ -109,7 +109,7 @@ def load_baseline(path: Path) -> Baseline:
             spec=dict(data["spec"]),
             prompt_set_sha256=str(data["prompt_set_sha256"]),
             max_tokens=int(data["max_tokens"]),
-            acceptance=Acceptance.from_json(data["acceptance"]),
+            acceptance=SpecDecodeMetrics.from_dict(data["acceptance"]),
             warmcap_version=str(data["warmcap_version"]),
             notes=dict(data.get("notes", {})),
         )
@@ -203,7 +203,9 @@ def check_rtol(rtol: float) -> None:
         raise WarmcapError(f"--rtol must be in [0, 1) (0.05 is 5%); got {rtol}")
 
 
-def compare(baseline: Acceptance, measured: Acceptance, rtol: float = DEFAULT_RTOL) -> Comparison:
+def compare(
+    baseline: SpecDecodeMetrics, measured: SpecDecodeMetrics, rtol: float = DEFAULT_RTOL
+) -> Comparison:
     """Judge each number against the baseline: FAIL when it fell by more than ``rtol`` (relative),
     HIGH when it rose by more (not a regression, but the baseline no longer describes the run)."""
     check_rtol(rtol)

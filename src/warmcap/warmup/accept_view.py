@@ -36,7 +36,7 @@ def accept_json(
         "num_prompts": len(prompt_set.prompts),
         "max_tokens": max_tokens,
         "completion_tokens": measurement.completion_tokens,
-        "measured": measurement.acceptance.to_json(),
+        "measured": measurement.acceptance.as_dict(),
         "baseline": str(baseline_path) if baseline_path else None,
         "rtol": comparison.rtol if comparison else None,
         "checks": [c.to_json() for c in comparison.checks] if comparison else [],
