@@ -139,7 +139,7 @@ class SpecDecodeMetrics:
                 math.isclose(w, d, rel_tol=1e-9) for w, d in pairs
             ):
                 raise ValueError(
-                    f"{key} {written} disagree with the counts (derived: {want}): edit the counts"
+                    f"{key} {written} (the counts give {want}) disagree with the counts: edit the counts"
                 )
         return metrics
 

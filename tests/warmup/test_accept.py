@@ -223,7 +223,7 @@ def test_shipped_baselines_describe_the_shipped_prompt_set() -> None:
     assert len(rates) == 3 and all(0 < r < 1 for r in rates), rates
     # The model drafting for itself accepts every token (exact speculation), so any drop is a bug.
     self_draft = ab.load_baseline(ab.default_baseline_path("smollm2-135m", acc.parse_spec("draft_model:2")))
-    assert self_draft.acceptance.per_position_rates == (1.0, 1.0)
+    assert self_draft.acceptance.per_position_rates == [1.0, 1.0]
 
 
 # ---- SmolLM2: in-process against the shipped baselines, and a server ----------------------------
