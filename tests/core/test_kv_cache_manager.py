@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -70,6 +71,27 @@ def test_rejection_keeps_the_extra_blocks():
     req.num_computed_tokens = 8  # every draft rejected
     assert kv.allocate_slots(req, 1, num_lookahead_tokens=3) == {"full": []}  # 12 -> 3, keeps 4
     assert kv.num_held_blocks("a") == {"full": 4}
+
+
+def test_the_shared_no_new_blocks_result_is_read_only_and_pickles():
+    # A decode step that needs no block gets the one shared result; a TP broadcast pickles it.
+    kv = manager()
+    first, a, b = (Request(name, list(range(6))) for name in ("first", "a", "b"))
+    for req in (first, a, b):
+        prefill(kv, req)
+        req.output_token_ids.append(1)
+    kv.allocate_running(first, 1, 0)  # the first of its size works the count out
+    none_a, none_b = kv.allocate_running(a, 1, 0), kv.allocate_running(b, 1, 0)
+    assert none_a == none_b == {"full": []}
+    assert none_a is none_b
+    with pytest.raises(TypeError, match="read-only"):
+        none_a["full"] = [7]
+    with pytest.raises(TypeError, match="read-only"):
+        none_a.update(full=[7])
+    copy = pickle.loads(pickle.dumps(none_a))
+    assert copy == {"full": []} and type(copy) is type(none_a)
+    with pytest.raises(TypeError, match="read-only"):
+        copy.pop("full")
 
 
 def test_failed_allocation_changes_nothing():

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from warmcap.core.block_pool import BlockPool
 from warmcap.core.group_managers import MANAGER_BY_KIND, AttentionManager, GroupManager
@@ -50,6 +49,27 @@ class _RequestState:
     # Leading blocks registered in the prefix cache, and the token count that fills the next one.
     num_cached: int
     cache_at: int
+
+
+class NoNewBlocks(dict):
+    """The result of an allocation that needs no block: an empty list per KV group, one instance
+    shared by every such request of every step (so a step of hundreds of running requests allocates
+    nothing). Read-only: every mutator raises. Unlike ``types.MappingProxyType`` it pickles (as
+    itself), which a tensor-parallel broadcast of a step's scheduler output needs."""
+
+    __slots__ = ()
+
+    def __init__(self, group_names: Iterable[str]) -> None:
+        super().__init__((n, []) for n in group_names)
+
+    def __reduce__(self) -> tuple[type[NoNewBlocks], tuple[tuple[str, ...]]]:
+        return NoNewBlocks, (tuple(self),)
+
+    def _read_only(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("the shared 'no new blocks' result is read-only; copy it to change it")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
 
 
 class KVCacheManager:
@@ -106,7 +126,7 @@ class KVCacheManager:
         self._group_names = [g.name for g in self.groups]
         # NOTE: shared by every step of every request that needs no block, so the hundreds of
         # running requests of a step allocate nothing; read-only, and its lists must stay empty.
-        self._no_new_blocks: Mapping[str, list[int]] = MappingProxyType({n: [] for n in self._group_names})
+        self._no_new_blocks: Mapping[str, list[int]] = NoNewBlocks(self._group_names)
         self._hash_spec = self.groups[0].spec
         self._hash_block_size = self._hash_spec.block_size
         # NOTE: a drafter's KV at a block's last position can depend on the next block's first

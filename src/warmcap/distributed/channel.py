@@ -11,31 +11,14 @@ timeout; the model's own group keeps the short collective timeout for hung peers
 
 from __future__ import annotations
 
-import copyreg
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def read_only(mapping: dict) -> MappingProxyType:
-    """A read-only view of ``mapping`` (what an unpickled read-only mapping becomes)."""
-    return MappingProxyType(mapping)
-
-
-def _reduce_mapping_proxy(proxy: MappingProxyType) -> tuple[Any, tuple[dict]]:
-    return read_only, (dict(proxy),)
-
-
-# A step's SchedulerOutput carries read-only mappings (the KV manager shares one empty
-# "no new blocks" result between requests, core/kv_cache_manager.py); pickle has no rule for them,
-# so a broadcast rebuilds each as the same read-only view of a copy.
-copyreg.pickle(MappingProxyType, _reduce_mapping_proxy)
 
 
 @dataclass(frozen=True, slots=True)
