@@ -140,10 +140,10 @@ class DFlashDrafter(HeadDrafter):
         )
 
     def graph_shapes(self) -> list[DraftGraphShape]:
-        return [
-            DraftGraphShape(DRAFT_PREFILL, None),
-            DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens),
-        ]
+        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
+        if self.num_speculative_tokens:  # a P/D producer's drafter runs no block pass
+            shapes.append(DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens))
+        return shapes
 
     def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
         if phase != DRAFT_PREFILL:

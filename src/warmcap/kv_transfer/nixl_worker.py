@@ -31,6 +31,7 @@ from warmcap.kv_transfer.layout import (
 from warmcap.kv_transfer.nixl_metadata import NixlMetadata, ReadJob
 from warmcap.kv_transfer.params import KVTransferError, RemotePrefill
 from warmcap.kv_transfer.side_channel import SideChannelServer, ask
+from warmcap.kv_transfer.speculation import TransferSpeculation, check_same_speculation
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +81,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         super().__init__(config)
         self.engine_id = engine_id
         self.groups = list(groups)
+        self.speculation = TransferSpeculation.of(config, self.groups)
         self.side_channel_timeout = side_channel_timeout
         self.read_timeout = read_timeout
         self.stats = TransferStats()
@@ -119,6 +121,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             "agent_metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
             "mem_type": self._mem_type,
             "layers": regions_to_json(self._regions),
+            "speculation": self.speculation.to_json(),
         }
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -173,11 +176,13 @@ class NixlConnectorWorker(KVConnectorWorker):
             try:
                 agent_metadata = base64.b64decode(answer["agent_metadata"])
                 regions = regions_from_json(answer["layers"], where)
+                theirs = TransferSpeculation.from_json(answer.get("speculation"), where)
                 peer = _Peer(str(answer["engine_id"]), "", str(answer["mem_type"]), regions)
             except (KeyError, ValueError) as exc:
                 raise KVTransferError(
                     f"{where} sent incomplete metadata ({exc!r}): is it a warmcap server?"
                 ) from None
+            check_same_speculation(self.speculation, theirs, where)
             check_compatible(self._regions, peer.regions, where)
             if peer.engine_id != remote.engine_id:
                 raise KVTransferError(
@@ -248,12 +253,11 @@ class NixlConnectorWorker(KVConnectorWorker):
             remote_ids = {targets[0]: remote_ids[""]}
         missing = [g.name for g in self.groups if g.name not in remote_ids]
         if missing:
-            # NOTE: a drafter whose prompt KV was never written would read garbage (the seed bug:
-            # acceptance drops although the output is right), so the request is refused instead.
+            # NOTE: P's setup matched at the handshake (``kv_transfer/speculation.py``), so its
+            # answer names every group; a group left out means the parameters were changed.
             raise KVTransferError(
-                f"the prefill instance sent no KV for this engine's groups {missing} (it sent "
-                f"{sorted(remote_ids)}): a decode instance that drafts needs its drafter's prompt KV too; "
-                "start the prefill server with the same --spec and kv_role kv_both"
+                f"kv_transfer_params name no blocks for this engine's KV groups {missing} (they name "
+                f"{sorted(remote_ids)}): pass on the kv_transfer_params the prefill server returned, unchanged"
             )
         local, far = [], []
         for group in self.groups:
