@@ -309,3 +309,22 @@ def test_seed_cases_start_up_and_serve_with_no_stray_write(spec: str) -> None:
     )
     _drain(p)
     assert _held(p) == 0 and _held(d) == 0
+
+
+def test_a_read_in_one_block_chunks_decodes_as_standalone_and_frees_p_once(pair) -> None:
+    p, _, s = pair
+    d = _engine("kv_consumer", "draft_model:2", read_chunk_blocks=1)
+    prompt = _prompt(50, seed=11)  # 3 full blocks and a partial one, in two groups: 8 READs
+    held = _held(p)  # an earlier test's unread blocks may still wait for their deadline
+    got = _decode(d, prompt, _prefill(p, prompt, "p-chunks"), "d-chunks", p)
+    (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
+    assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert d.kv_connector_worker.stats.num_reads == 1
+    _drain(p)
+    assert _held(p) == held and _held(d) == 0
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True])
+def test_read_chunk_blocks_must_be_a_positive_integer(value: object) -> None:
+    with pytest.raises(ConfigError, match=f"read_chunk_blocks must be a positive integer; got {value!r}"):
+        _engine("kv_consumer", read_chunk_blocks=value)
