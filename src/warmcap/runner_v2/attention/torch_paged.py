@@ -104,8 +104,6 @@ class StepPlan:
     meta: AttentionMetadata
     stamp: MetaStamp
     max_query_len: int
-    #: [R * C] block ids whose pages, concatenated, hold each row's keys 0 .. C*bs - 1
-    blocks: torch.Tensor
     #: [R * Q] token feeding each padded query slot (clamped; invalid slots masked out)
     query_index: torch.Tensor
     #: [T] padded query slot of each token
@@ -188,7 +186,6 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
         meta=meta,
         stamp=MetaStamp.of(meta),
         max_query_len=q,
-        blocks=meta.block_table[:r, :cols].long().reshape(-1),
         query_index=query_index,
         out_index=out_index,
         token_valid=valid[:, None, None],
