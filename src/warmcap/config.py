@@ -330,6 +330,15 @@ class EngineConfig:
         return self.speculative.num_speculative_tokens
 
     @property
+    def runs_drafter(self) -> bool:
+        """Whether this engine builds its drafter. A P/D producer keeps a model-based one (its
+        prompt pass writes the drafter's prompt KV, which the consumer reads) but proposes nothing
+        (``num_speculative_tokens`` is 0); ngram has no KV, so a producer has none."""
+        if self.speculative is None:
+            return False
+        return self.kv_role != "producer" or self.speculative.entry.extra_lookahead is not None
+
+    @property
     def num_lookahead_tokens(self) -> int:
         """L: slots reserved past the scheduled tokens for the drafter's KV writes."""
         if self.speculative is None or self.kv_role == "producer":

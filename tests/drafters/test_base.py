@@ -53,15 +53,26 @@ def test_lookahead_and_groups_follow_the_reservation_table(method: str) -> None:
         assert (decode.query_len, decode.repeats) == (1, 2)
 
 
-def test_no_drafter_without_speculation_or_on_a_prefill_producer() -> None:
+def test_no_drafter_without_speculation_or_for_ngram_on_a_prefill_producer() -> None:
     assert build_drafter(EngineConfig(model=ModelConfig(model="tiny-llama")), _target()) is None
-    assert build_drafter(_config("eagle:2", kv_role="producer"), _target()) is None
+    assert build_drafter(_config("ngram:3", kv_role="producer"), _target()) is None
 
 
-def test_a_drafter_whose_writes_disagree_with_the_reservation_is_refused() -> None:
-    # A prefill producer reserves no lookahead, but a draft LM would write k slots past its tokens.
+@pytest.mark.parametrize("spec", ["eagle:2", "dflash:7", "draft_model:2@self"])
+def test_a_prefill_producer_keeps_a_model_drafter_that_writes_no_lookahead(spec: str) -> None:
+    # Its prompt pass writes the drafter KV a P/D consumer reads; it proposes nothing, so it writes
+    # nothing past the scheduled tokens and has no draft-decode graphs.
+    drafter = build_drafter(_config(spec, kv_role="producer"), _target())
+    assert drafter is not None and (drafter.num_speculative_tokens, drafter.lookahead) == (0, 0)
+    assert drafter.kv_groups(16) and drafter.graph_shapes() == [DraftGraphShape("draft_prefill", None)]
+
+
+def test_a_drafter_whose_writes_disagree_with_the_reservation_is_refused(monkeypatch) -> None:
+    # A reservation table that reserves less than a draft LM writes past its tokens.
+    monkeypatch.setattr(EngineConfig, "num_lookahead_tokens", property(lambda self: 0))
     with pytest.raises(ConfigError, match=r"writes 2 KV slots .* reserves 0"):
-        DraftModelDrafter(_config("draft_model:2@self", kv_role="producer"), _target())
+        DraftModelDrafter(_config("draft_model:2@self"), _target())
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="draft_model"):
         DraftModelDrafter(_config("eagle:2"), _target())
 

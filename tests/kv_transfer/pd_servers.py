@@ -115,10 +115,10 @@ class Cluster:
         self.tmp = tmp
         self.procs: list[Proc] = []
 
-    def _start(self, name: str, args: list[str]) -> Proc:
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         port = free_port()
         log = self.tmp / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1"}
+        env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1", **(env or {})}
         with log.open("wb") as out:
             process = subprocess.Popen(
                 [*CLI, *args, "--host", "127.0.0.1", "--port", str(port)],
@@ -130,8 +130,9 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def serve(self, name: str, model: str, *options: str) -> Proc:
-        return self._start(name, ["serve", "--model", model, *options])
+    def serve(self, name: str, model: str, *options: str, env: dict[str, str] | None = None) -> Proc:
+        """``warmup serve`` with ``options``; ``env`` adds environment variables."""
+        return self._start(name, ["serve", "--model", model, *options], env)
 
     def proxy(self, prefill: Proc, decode: Proc) -> Proc:
         return self._start("proxy", ["proxy", "--prefill", prefill.base_url, "--decode", decode.base_url])

@@ -20,7 +20,7 @@ from warmcap.config import (
     SpeculativeConfig,
 )
 from warmcap.engine import LLMEngine
-from warmcap.errors import ConfigError
+from warmcap.errors import ConfigError, NonFiniteLogitsError
 from warmcap.outputs import RequestOutput
 from warmcap.sampling_params import SamplingParams
 from warmcap.serve.poison import poison_free_blocks
@@ -90,9 +90,10 @@ def _drain(engine: LLMEngine, seconds: float = 10.0) -> None:
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[LLMEngine, LLMEngine, LLMEngine]:
-    # P drafts too (kv_both): D's drafter needs its own prompt KV, which travels with the target's.
+    # P has D's --spec: its drafter writes the prompt's drafter KV (and proposes nothing), which
+    # travels with the target's.
     spec = "draft_model:2"
-    return _engine("kv_both", spec), _engine("kv_consumer", spec), _engine(None, spec)
+    return _engine("kv_producer", spec), _engine("kv_consumer", spec), _engine(None, spec)
 
 
 def test_d_reads_p_blocks_and_decodes_as_a_standalone_engine(pair) -> None:
@@ -136,12 +137,13 @@ def test_poisoned_free_blocks_change_nothing_but_catch_kv_never_loaded(pair) -> 
     assert poison_free_blocks(d) > 0
     got = _decode(d, prompt, _prefill(p, prompt, "p-poison"), "d-poison", p)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
-    # Without a transfer the "loaded" blocks still hold poison, and the output shows it.
+    # Without a transfer the "loaded" blocks still hold NaN at visible positions: no token can be
+    # sampled, and the engine says so for that request.
     fresh = _engine(None, "draft_model:2")
     assert poison_free_blocks(fresh) > 0
     fresh.add_request({"prompt_token_ids": prompt}, GREEDY, "never-loaded", num_external_computed_tokens=39)
-    (unloaded,) = [o for o in _outputs(fresh) if o.finished]
-    assert unloaded.outputs[0].token_ids != want.outputs[0].token_ids
+    with pytest.raises(NonFiniteLogitsError, match=r"non-finite logits .*\(never-loaded\)"):
+        _outputs(fresh)
     _drain(p)
     assert _held(p) == 0 and _held(d) == 0
 
@@ -213,14 +215,56 @@ def test_p_frees_unread_blocks_only_after_its_timeout() -> None:
     assert _held(p) == 0 and time.monotonic() - finished >= 1.0
 
 
-def test_a_producer_without_a_drafter_is_refused_by_a_drafting_consumer(pair) -> None:
-    _, d, _ = pair
-    p = _engine("kv_producer")
+def test_a_producer_runs_its_drafters_prompt_pass_and_proposes_nothing(pair, monkeypatch) -> None:
+    p, _, s = pair
+    assert p.drafter is not None and p.config.num_lookahead_tokens == 0
+    proposals: list[dict] = []
+    propose = p.drafter.propose
+
+    def spy(*args: object) -> dict:
+        proposals.append(propose(*args))
+        return proposals[-1]
+
+    monkeypatch.setattr(p.drafter, "propose", spy)
+    before = p.spec_metrics.num_drafts, p.spec_metrics.num_draft_tokens
+    held = _held(p)  # an earlier test's unread blocks may still wait for their deadline
+    # A whole generation on P: its drafter runs every step and never drafts a token.
+    prompt = _prompt(37, seed=8)
+    (got,) = p.generate([{"prompt_token_ids": prompt}], [GREEDY])
+    (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert proposals and all(proposal == {} for proposal in proposals)
+    assert (p.spec_metrics.num_drafts, p.spec_metrics.num_draft_tokens) == before
+    assert _held(p) == held
+
+
+def _refused(p: LLMEngine, d: LLMEngine, *parts: str) -> None:
     prompt = _prompt(33, seed=6)
-    params = _prefill(p, prompt)
-    _assert_failed(_decode(d, prompt, params, "d-no-draft", p), "drafter's prompt KV")
+    out = _decode(d, prompt, _prefill(p, prompt, "p-mismatch"), "d-mismatch", p)
+    for part in (*parts, "start the prefill server with the same --spec"):
+        _assert_failed(out, part)
     _drain(p, 5)
     assert _held(p) == 0 and _held(d) == 0
+
+
+def test_a_producer_without_the_consumers_drafter_is_refused(pair) -> None:
+    _, d, _ = pair
+    _refused(
+        _engine("kv_producer"),
+        d,
+        "runs --spec none (no drafter KV)",
+        "this decode instance runs --spec draft_model:2",
+    )
+
+
+def test_a_producer_with_another_drafter_is_refused() -> None:
+    p, d = _engine("kv_producer", "eagle:3"), _engine("kv_consumer", "dflash:7")
+    _refused(p, d, "runs --spec eagle:3", "this decode instance runs --spec dflash:7")
+    # The same pair, set up alike, transfers.
+    d = _engine("kv_consumer", "eagle:3")
+    prompt = _prompt(33, seed=9)
+    got = _decode(d, prompt, _prefill(p, prompt, "p-same"), "d-same", p)
+    assert got.error is None
 
 
 def test_transfer_params_are_checked_before_a_request_is_queued(pair) -> None:
@@ -252,6 +296,7 @@ def test_seed_cases_start_up_and_serve_with_no_stray_write(spec: str) -> None:
     # The reference engine's two deterministic seed cases (block 16): audited warmup, audited serving.
     d = _engine("kv_consumer", spec, hooks=True, audit=True)
     assert d.warmup_result is not None and d.warmup_result.audit.ok
+    # kv_both: P decodes too, so its drafter drafts; its prompt KV is the same a producer's.
     p = _engine("kv_both", spec)
     s = _engine(None, spec)
     for i, n in enumerate((16, 31, 47)):
@@ -264,3 +309,22 @@ def test_seed_cases_start_up_and_serve_with_no_stray_write(spec: str) -> None:
     )
     _drain(p)
     assert _held(p) == 0 and _held(d) == 0
+
+
+def test_a_read_in_one_block_chunks_decodes_as_standalone_and_frees_p_once(pair) -> None:
+    p, _, s = pair
+    d = _engine("kv_consumer", "draft_model:2", read_chunk_blocks=1)
+    prompt = _prompt(50, seed=11)  # 3 full blocks and a partial one, in two groups: 8 READs
+    held = _held(p)  # an earlier test's unread blocks may still wait for their deadline
+    got = _decode(d, prompt, _prefill(p, prompt, "p-chunks"), "d-chunks", p)
+    (want,) = s.generate([{"prompt_token_ids": prompt}], [GREEDY])
+    assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert d.kv_connector_worker.stats.num_reads == 1
+    _drain(p)
+    assert _held(p) == held and _held(d) == 0
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True])
+def test_read_chunk_blocks_must_be_a_positive_integer(value: object) -> None:
+    with pytest.raises(ConfigError, match=f"read_chunk_blocks must be a positive integer; got {value!r}"):
+        _engine("kv_consumer", read_chunk_blocks=value)

@@ -26,8 +26,10 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.parametrize("spec", ["eagle:3", "dflash:7", "draft_model:2"])
 def test_pd_through_the_proxy_equals_a_standalone_server(spec: str, tmp_path) -> None:
     with cluster(tmp_path) as c:
-        # P drafts too (kv_both, same --spec): D's drafter needs its prompt KV, which P sends along.
-        p = c.serve("P", TINY, "--spec", spec, "--kv-transfer-config", transfer_config("kv_both"), *ENGINE)
+        # P has D's --spec: its drafter's prompt pass writes the KV D's drafter reads, sent along.
+        p = c.serve(
+            "P", TINY, "--spec", spec, "--kv-transfer-config", transfer_config("kv_producer"), *ENGINE
+        )
         d = c.serve(
             "D",
             TINY,
@@ -71,6 +73,9 @@ def test_pd_through_the_proxy_equals_a_standalone_server(spec: str, tmp_path) ->
         # Greedy on CPU is deterministic: D drafts and accepts exactly as the standalone server.
         assert d.accepted_per_pos() == s.accepted_per_pos()
         assert sum(d.accepted_per_pos()) > 0 or spec != "draft_model:2"
+        # The producer proposed nothing: not one draft was verified there.
+        drafts = ("vllm:spec_decode_num_drafts_total", frozenset())
+        assert p.metrics()[drafts] == 0 < d.metrics()[drafts]
         # Every D step was audited (a stray write would have failed a request) and nothing is held.
         assert p.kv_usage() == 0 and d.kv_usage() == 0
 

@@ -3,7 +3,7 @@ planner's simulator (``warmup/planner.py``), so a plan holds exactly what servin
 
 - **Lookahead**: the KV slots reserved past a request's scheduled tokens for the drafter's writes.
   Without speculation, and on a P/D producer, there is none (``EngineConfig.num_lookahead_tokens``
-  is 0). A request whose KV is loaded from outside runs no forward in the step its load starts
+  is 0): a producer's drafter, if it has one, writes its prompt KV only and proposes nothing. A request whose KV is loaded from outside runs no forward in the step its load starts
   (``core/scheduler.py`` parks it until the load is done), so that step reserves none. Every locally computed request — a consumer's own warmup requests included — reserves the
   config's full lookahead, because its drafter runs and writes past the scheduled tokens.
 - **Draft rollback**: after verification a request keeps its accepted drafts and drops the rejected

@@ -60,8 +60,11 @@ class BaseDrafter(ABC):
         if spec is None or spec.method != self.method:
             raise ConfigError(f"{type(self).__name__} needs speculative method {self.method!r}; got {spec}")
         self.config = config
-        self.num_speculative_tokens = spec.num_speculative_tokens
-        self.lookahead = spec_method(self.method).lookahead(self.num_speculative_tokens)
+        # NOTE: 0 on a P/D producer: its passes write the prompt's KV and nothing drafts, so
+        # nothing is written past the scheduled tokens either.
+        self.num_speculative_tokens = config.num_speculative_tokens
+        k = self.num_speculative_tokens
+        self.lookahead = spec_method(self.method).lookahead(k) if k else 0
         #: the drafter's own KV groups, set by ``kv_groups`` (empty for drafters without KV)
         self._groups: list[KVCacheGroup] = []
         if self.lookahead != config.num_lookahead_tokens:

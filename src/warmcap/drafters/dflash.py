@@ -50,16 +50,17 @@ def block_attention(
     hq = q.shape[1]
     device = q.device
     blocks = meta.block_table[:r, :cols].long().reshape(-1)
-    # [R, Hq, K, D]: each row's pages end to end, KV heads repeated for their query heads.
-    keys = kv_cache[0].index_select(0, blocks).view(r, cols * bs, hkv, d).repeat_interleave(hq // hkv, dim=2)
-    values = (
-        kv_cache[1].index_select(0, blocks).view(r, cols * bs, hkv, d).repeat_interleave(hq // hkv, dim=2)
-    )
+    visible = torch.arange(cols * bs, device=device)[None, :] < meta.seq_lens[:r, None].long()
+    # NOTE: keys past a row's length are zeroed, not only masked: 0 * NaN (a poisoned or unwritten
+    # page tail) is NaN. [R, K, Hq, D]: each row's pages end to end, KV heads repeated per query head.
+    unread = ~visible[:, :, None, None]
+    keys = kv_cache[0].index_select(0, blocks).view(r, cols * bs, hkv, d).masked_fill_(unread, 0)
+    values = kv_cache[1].index_select(0, blocks).view(r, cols * bs, hkv, d).masked_fill_(unread, 0)
+    keys, values = keys.repeat_interleave(hq // hkv, dim=2), values.repeat_interleave(hq // hkv, dim=2)
     qsl = meta.query_start_loc[: r + 1].long()
     slot = torch.arange(qmax, device=device)
     # [R, Qmax] token feeding each padded query slot; padded slots repeat a real token of the row.
     index = torch.minimum(qsl[:-1, None] + slot[None, :], qsl[1:, None] - 1)
-    visible = torch.arange(cols * bs, device=device)[None, :] < meta.seq_lens[:r, None].long()
     out = F.scaled_dot_product_attention(
         q[index].transpose(1, 2),
         keys.transpose(1, 2).to(q.dtype),
@@ -140,10 +141,10 @@ class DFlashDrafter(HeadDrafter):
         )
 
     def graph_shapes(self) -> list[DraftGraphShape]:
-        return [
-            DraftGraphShape(DRAFT_PREFILL, None),
-            DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens),
-        ]
+        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
+        if self.num_speculative_tokens:  # a P/D producer's drafter runs no block pass
+            shapes.append(DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens))
+        return shapes
 
     def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
         if phase != DRAFT_PREFILL:

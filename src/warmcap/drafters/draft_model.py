@@ -86,8 +86,9 @@ class DraftModelDrafter(AutoregressiveDrafter):
         return self.model.compute_logits(output).argmax(dim=-1)
 
     def prefill_inputs(self, runner: ModelRunner, view: StepView) -> tuple[DraftPass, torch.Tensor, None]:
-        # The real tokens: the accepted part of what the target computed, plus the sampled token.
-        lengths = view.num_valid + view.sampled.astype(np.int64)
+        # The real tokens: the accepted part of what the target computed, plus the sampled token
+        # when it drafts (a P/D producer reserves no slot past the scheduled tokens for it).
+        lengths = view.num_valid + (view.sampled & (self.num_speculative_tokens > 0)).astype(np.int64)
         prefill = DraftPass.spans(view.req_ids, view.rows, view.start, lengths)
         tokens = runner.batch.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions]
         return prefill, torch.from_numpy(tokens).to(runner.device), None

@@ -197,10 +197,11 @@ def _target_path(config: EngineConfig) -> Path:
 
 
 def build_drafter(config: EngineConfig, target: nn.Module) -> BaseDrafter | None:
-    """The drafter the speculative config asks for, or None (no speculation, or a P/D producer):
-    the class registered for the method, given the weights its table entry says it drafts with."""
+    """The drafter the speculative config asks for, or None (no speculation, or a P/D producer
+    with ngram): the class registered for the method, given the weights its table entry says it
+    drafts with. A producer's drafter writes its prompt KV and proposes nothing."""
     spec = config.speculative
-    if spec is None or config.num_speculative_tokens == 0:
+    if spec is None or not config.runs_drafter:
         return None
     cls = drafter_class(spec.method)
     if spec.entry.needs_draft_model:

@@ -4,7 +4,9 @@
 NIXL agent and, on a producer, the side channel D asks for P's metadata. Options come from
 ``kv_connector_extra_config``: ``abort_request_timeout`` (seconds P keeps a finished request's blocks
 when no reader confirms; default 120, as the reference engine's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``),
-``side_channel_timeout`` (default 5) and ``read_timeout`` (seconds D waits for one READ; default 30).
+``side_channel_timeout`` (default 5), ``read_timeout`` (seconds D waits for a request's read; default
+30) and ``read_chunk_blocks`` (D reads a request's KV in READs of at most this many blocks, every
+layer of each; default 64).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ _OPTIONS: dict[str, float] = {
     "abort_request_timeout": 120.0,
     "side_channel_timeout": 5.0,
     "read_timeout": 30.0,
+    "read_chunk_blocks": 64,
 }
+#: options that count something rather than seconds
+_COUNTS = frozenset({"read_chunk_blocks"})
 
 
 def _options(extra: dict[str, object]) -> dict[str, float]:
@@ -37,11 +42,16 @@ def _options(extra: dict[str, object]) -> dict[str, float]:
         )
     options = dict(_OPTIONS)
     for key, value in extra.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if key in _COUNTS:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(
+                    f"kv_connector_extra_config {key} must be a positive integer; got {value!r}"
+                )
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ConfigError(
                 f"kv_connector_extra_config {key} must be a positive number of seconds; got {value!r}"
             )
-        options[key] = float(value)
+        options[key] = value
     return options
 
 
@@ -59,6 +69,7 @@ def build_nixl_connector(
         engine_id=engine_id,
         side_channel_timeout=options["side_channel_timeout"],
         read_timeout=options["read_timeout"],
+        read_chunk_blocks=int(options["read_chunk_blocks"]),
     )
     host, port = transfer.kv_ip, transfer.kv_port
     if transfer.kv_role in ("kv_producer", "kv_both"):

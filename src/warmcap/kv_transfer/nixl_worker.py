@@ -1,12 +1,14 @@
 """The NIXL connector's worker side: a NIXL agent (UCX) over this engine's KV tensors.
 
-- **P** registers its tensors and answers the side channel with its agent metadata and layout. It
-  learns that D has read a request's blocks from the notification NIXL delivers with D's READ (the
-  request id), or from a side-channel ``release``; either, or the deadline, reports it in
-  ``finished_sending`` so the scheduler frees the blocks.
-- **D** fetches P's metadata once per peer, then per request issues one READ of P's blocks into its
-  own and reports the request in ``finished_recving`` once the READ is done. A failed read is
-  reported by :meth:`get_load_errors`; the engine ends the request with that message.
+- **P** registers its tensors and answers the side channel with its agent metadata, layout and
+  speculative setup. It learns that D has read a request's blocks from the NIXL notification D
+  sends once all its READs are done (P's request id), or from a side-channel ``release``; either,
+  or the deadline, reports it in ``finished_sending`` so the scheduler frees the blocks.
+- **D** fetches P's metadata once per peer, then per request posts READs of P's blocks into its
+  own, ``read_chunk_blocks`` blocks each, and reports the request in ``finished_recving`` once every
+  READ is done. A failed read (one READ failing, P gone, the timeout) is reported by
+  :meth:`get_load_errors` once NIXL has let go of every READ into the request's blocks; the engine
+  ends the request with that message.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from warmcap.core.reservation import blocks_covering
+from warmcap.errors import ConfigError
 from warmcap.kv_transfer.base import KVConnectorWorker
 from warmcap.kv_transfer.layout import (
     LayerRegion,
@@ -31,6 +35,7 @@ from warmcap.kv_transfer.layout import (
 from warmcap.kv_transfer.nixl_metadata import NixlMetadata, ReadJob
 from warmcap.kv_transfer.params import KVTransferError, RemotePrefill
 from warmcap.kv_transfer.side_channel import SideChannelServer, ask
+from warmcap.kv_transfer.speculation import TransferSpeculation, check_same_speculation
 
 if TYPE_CHECKING:
     import torch
@@ -49,13 +54,35 @@ class _Peer:
     regions: dict[str, LayerRegion]
 
 
+#: test-only fault injection: seconds D sleeps after posting a request's first READ, before the
+#: rest (read once at start-up; ``tests/kv_transfer/test_pd_faults.py`` kills P meanwhile)
+FAULT_PAUSE_ENV = "WARMCAP_PD_FAULT_PAUSE_AFTER_POST"
+
+#: one remote block of one group (every layer and plane): (local descriptors, remote descriptors)
+_Piece = tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]
+
+
+def _fault_pause() -> float:
+    text = os.environ.get(FAULT_PAUSE_ENV, "")
+    try:
+        return max(float(text), 0.0) if text else 0.0
+    except ValueError:
+        raise ConfigError(
+            f"{FAULT_PAUSE_ENV}={text!r} is not a number of seconds: unset it (test-only)"
+        ) from None
+
+
 @dataclass(slots=True)
 class _Read:
+    """One request's read: its READ transfers (``handles``, those NIXL still holds) and, once one
+    failed, why (its blocks are freed only when NIXL has let go of every transfer)."""
+
     job: ReadJob
     peer: _Peer
-    handle: Any
+    handles: list[Any]
     started: float
     num_bytes: int
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -76,12 +103,16 @@ class NixlConnectorWorker(KVConnectorWorker):
         engine_id: str,
         side_channel_timeout: float,
         read_timeout: float,
+        read_chunk_blocks: int = 64,
     ) -> None:
         super().__init__(config)
         self.engine_id = engine_id
         self.groups = list(groups)
+        self.speculation = TransferSpeculation.of(config, self.groups)
         self.side_channel_timeout = side_channel_timeout
         self.read_timeout = read_timeout
+        self.read_chunk_blocks = read_chunk_blocks
+        self._fault_pause = _fault_pause()
         self.stats = TransferStats()
         #: P: where D asks for this engine's metadata (set by ``kv_transfer/nixl.py``)
         self.side_channel: SideChannelServer | None = None
@@ -119,6 +150,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             "agent_metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
             "mem_type": self._mem_type,
             "layers": regions_to_json(self._regions),
+            "speculation": self.speculation.to_json(),
         }
 
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -173,11 +205,13 @@ class NixlConnectorWorker(KVConnectorWorker):
             try:
                 agent_metadata = base64.b64decode(answer["agent_metadata"])
                 regions = regions_from_json(answer["layers"], where)
+                theirs = TransferSpeculation.from_json(answer.get("speculation"), where)
                 peer = _Peer(str(answer["engine_id"]), "", str(answer["mem_type"]), regions)
             except (KeyError, ValueError) as exc:
                 raise KVTransferError(
                     f"{where} sent incomplete metadata ({exc!r}): is it a warmcap server?"
                 ) from None
+            check_same_speculation(self.speculation, theirs, where)
             check_compatible(self._regions, peer.regions, where)
             if peer.engine_id != remote.engine_id:
                 raise KVTransferError(
@@ -210,7 +244,35 @@ class NixlConnectorWorker(KVConnectorWorker):
                 "second BOS, changes it)"
             )
         peer = self._peer(job)
-        local, far = self._descriptors(job, peer)
+        pieces = self._descriptors(job, peer)
+        where = f"{remote.host}:{remote.port}"
+        step = self.read_chunk_blocks
+        read = _Read(job, peer, [], time.perf_counter(), sum(d[1] for local, _ in pieces for d in local))
+        try:
+            for first in range(0, len(pieces), step):
+                chunk = pieces[first : first + step]
+                local = [d for c in chunk for d in c[0]]
+                read.handles.append(self._post(peer, local, [d for c in chunk for d in c[1]], where))
+                if first == 0 and self._fault_pause and len(pieces) > step:
+                    log.warning(
+                        "warmcap: %s set: pausing %g s mid-read (test only)",
+                        FAULT_PAUSE_ENV,
+                        self._fault_pause,
+                    )
+                    time.sleep(self._fault_pause)
+        except KVTransferError as exc:
+            self._peers.pop((remote.host, remote.port), None)
+            if not read.handles:
+                raise
+            # NOTE: earlier chunks may still be writing into this request's blocks: the request
+            # fails once NIXL lets go of them (``_finished_recving``).
+            read.error = str(exc)
+        self._reads[job.request_id] = read
+
+    def _post(
+        self, peer: _Peer, local: list[tuple[int, int, int]], far: list[tuple[int, int, int]], where: str
+    ) -> Any:
+        """Start one READ of ``far`` (P's blocks at ``where``) into ``local``; its handle."""
         agent = self._agent
         try:
             handle = agent.initialize_xfer(
@@ -218,25 +280,22 @@ class NixlConnectorWorker(KVConnectorWorker):
                 agent.get_xfer_descs(local, self._mem_type),
                 agent.get_xfer_descs(far, peer.mem_type),
                 peer.agent_name,
-                remote.request_id.encode(),
             )
             state = agent.transfer(handle)
         except Exception as exc:  # NIXL raises its own exception types per status
-            self._peers.pop((remote.host, remote.port), None)
             raise KVTransferError(
-                f"NIXL could not start reading the prompt KV from {remote.host}:{remote.port} ({type(exc).__name__}: {exc}); "
+                f"NIXL could not start reading the prompt KV from {where} ({type(exc).__name__}: {exc}); "
                 "the prefill instance may have stopped"
             ) from None
         if state == "ERR":
-            self._peers.pop((remote.host, remote.port), None)
             agent.release_xfer_handle(handle)
-            raise KVTransferError(f"NIXL failed to read the prompt KV from {remote.host}:{remote.port}")
-        self._reads[job.request_id] = _Read(job, peer, handle, time.perf_counter(), sum(d[1] for d in local))
+            raise KVTransferError(
+                f"NIXL failed to read the prompt KV from {where}: the prefill instance may have stopped"
+            )
+        return handle
 
-    def _descriptors(
-        self, job: ReadJob, peer: _Peer
-    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        """(local, remote) block descriptors, paired by position, for every group P also has."""
+    def _descriptors(self, job: ReadJob, peer: _Peer) -> list[_Piece]:
+        """(local, remote) descriptors, paired by position, per block to read of every group."""
         remote_ids = job.remote.block_ids
         if set(remote_ids) == {""}:
             targets = [g.name for g in self.groups if not g.is_drafter]
@@ -248,14 +307,13 @@ class NixlConnectorWorker(KVConnectorWorker):
             remote_ids = {targets[0]: remote_ids[""]}
         missing = [g.name for g in self.groups if g.name not in remote_ids]
         if missing:
-            # NOTE: a drafter whose prompt KV was never written would read garbage (the seed bug:
-            # acceptance drops although the output is right), so the request is refused instead.
+            # NOTE: P's setup matched at the handshake (``kv_transfer/speculation.py``), so its
+            # answer names every group; a group left out means the parameters were changed.
             raise KVTransferError(
-                f"the prefill instance sent no KV for this engine's groups {missing} (it sent "
-                f"{sorted(remote_ids)}): a decode instance that drafts needs its drafter's prompt KV too; "
-                "start the prefill server with the same --spec and kv_role kv_both"
+                f"kv_transfer_params name no blocks for this engine's KV groups {missing} (they name "
+                f"{sorted(remote_ids)}): pass on the kv_transfer_params the prefill server returned, unchanged"
             )
-        local, far = [], []
+        pieces: list[_Piece] = []
         for group in self.groups:
             theirs = remote_ids[group.name]
             bs = group.spec.block_size
@@ -272,6 +330,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             for j in range(job.num_local_tokens // bs, need):
                 if mine[j] == 0:
                     continue  # a sliding window's block this request no longer needs
+                local, far = [], []
                 for layer in layers:
                     region, theirs_region = self._regions[layer], peer.regions.get(layer)
                     if theirs_region is None or not 0 < theirs[j] < theirs_region.num_blocks:
@@ -281,58 +340,74 @@ class NixlConnectorWorker(KVConnectorWorker):
                         )
                     local += region.block_descs(mine[j])
                     far += theirs_region.block_descs(theirs[j])
-        if not local:
+                if local:
+                    pieces.append((local, far))
+        if not pieces:
             raise KVTransferError(
                 f"kv_transfer_params name no KV group of this model (sent {sorted(remote_ids)}, here "
                 f"{[g.name for g in self.groups]}): the prefill server serves another model"
             )
-        return local, far
+        return pieces
 
     def _finished_recving(self) -> set[str]:
         done = set()
         for req_id, read in list(self._reads.items()):
-            state = self._agent.check_xfer_state(read.handle)
-            if state == "PROC":
-                if time.perf_counter() - read.started < self.read_timeout:
+            remote = read.job.remote
+            where = f"{remote.host}:{remote.port}"
+            if read.error is None:
+                states = [self._agent.check_xfer_state(h) for h in read.handles]
+                if "ERR" in states:
+                    read.error = f"NIXL failed to read the prompt KV from {where}: the prefill instance may have stopped"
+                elif all(state == "DONE" for state in states):
+                    self._release_handles(read)
+                    del self._reads[req_id]
+                    self._confirm(read)
+                    done.add(req_id)
                     continue
-                self._try_abort(read)
-                continue
-            del self._reads[req_id]
-            self._agent.release_xfer_handle(read.handle)
-            if state == "DONE":
-                self.stats.num_reads += 1
-                self.stats.num_bytes += read.num_bytes
-                self.stats.seconds += time.perf_counter() - read.started
-                done.add(req_id)
-            else:
-                remote = read.job.remote
+                elif time.perf_counter() - read.started >= self.read_timeout:
+                    read.error = f"reading the prompt KV from {where} took over {self.read_timeout:g} s"
+                else:
+                    continue
                 self._peers.pop((remote.host, remote.port), None)
-                self._fail(
-                    read.job,
-                    f"NIXL failed to read the prompt KV from {remote.host}:{remote.port}: the prefill instance may have stopped",
-                )
+            # A failed read: its blocks are freed once NIXL has let go of every transfer into them.
+            if self._release_handles(read):
+                del self._reads[req_id]
+                self._fail(read.job, read.error)
         return done
 
-    def _try_abort(self, read: _Read) -> None:
-        """A read past the timeout: abort it; only once NIXL let go may the blocks be reused."""
-        try:
-            self._agent.release_xfer_handle(read.handle)
-        except Exception:  # NOTE: still in flight; it stays tracked and is tried again next step
-            return
-        del self._reads[read.job.request_id]
+    def _confirm(self, read: _Read) -> None:
+        """Every chunk arrived: tell P it may free the blocks (a NIXL notification carrying P's
+        request id; the side channel's ``release`` when that cannot be sent)."""
+        self.stats.num_reads += 1
+        self.stats.num_bytes += read.num_bytes
+        self.stats.seconds += time.perf_counter() - read.started
         remote = read.job.remote
-        self._peers.pop((remote.host, remote.port), None)
-        self._fail(
-            read.job,
-            f"reading the prompt KV from {remote.host}:{remote.port} took over {self.read_timeout:g} s",
-        )
+        try:
+            self._agent.send_notif(read.peer.agent_name, remote.request_id.encode())
+        except Exception:  # NIXL raises its own exception types per status; P's deadline is the last resort
+            self._release(remote)
+
+    def _release_handles(self, read: _Read) -> bool:
+        """Release every transfer NIXL lets go of; True when none is left.
+
+        NOTE: a transfer still in flight cannot be released; it stays in ``read.handles`` and is
+        tried again next step, so the blocks it writes are never handed to another request early.
+        """
+        kept = []
+        for handle in read.handles:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # still in flight
+                kept.append(handle)
+        read.handles = kept
+        return not kept
 
     def _stop_read(self, read: _Read) -> None:
         """A request aborted mid-read: wait for NIXL to finish with its blocks before they are reused."""
         deadline = time.perf_counter() + self.read_timeout
-        while self._agent.check_xfer_state(read.handle) == "PROC" and time.perf_counter() < deadline:
+        while not self._release_handles(read) and time.perf_counter() < deadline:
             time.sleep(0.001)
-        self._agent.release_xfer_handle(read.handle)
+        self._release(read.job.remote)
 
     def _fail(self, job: ReadJob, message: str) -> None:
         self._errors[job.request_id] = message

@@ -255,7 +255,9 @@ class ModelRunner:
 
     def _propose(self, sched_out: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> dict:
         """The drafter's proposals for the next step; none from a step that reserved no lookahead
-        for its drafter's writes (they would land past the requests' blocks)."""
+        for its drafter's writes (they would land past the requests' blocks). A P/D producer's
+        drafter (no lookahead at all, ``num_speculative_tokens`` 0) runs its prompt pass, writing
+        the drafter KV the consumer reads, and proposes nothing."""
         if self.drafter is None:
             return {}
         lookahead = self.config.num_lookahead_tokens

@@ -2,11 +2,12 @@
 reads, at a position its attention can see, KV it did not write or load. ``warmup serve
 --poison-free-kv`` applies it once start-up is done.
 
-NOTE: the poison is a large finite number, not NaN. Attention gathers whole blocks and masks the
-positions past a request's length with -inf before the softmax; their weight is then exactly 0, but
-``0 * NaN`` is NaN, so NaN would flag those harmless masked reads too. A large value read at a
-*visible* position dominates its softmax row and changes the output, which a comparison with an
-unpoisoned engine catches.
+NOTE: the poison is NaN. Attention gathers whole blocks, so it reads positions past a request's
+length (a free block's NaN left in the unwritten tail of a page it now holds, a window's released
+columns); every reader zeroes those positions before the softmax and the value product
+(``runner_v2/attention/torch_paged.py``, ``runner_v2/attention/latent_cache.py``, DFlash's block
+attention), so they change nothing. A NaN read at a *visible* position spreads to the logits,
+which the engine's non-finite check turns into an error, or changes the output.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from warmcap.engine import LLMEngine
 
 #: what a poisoned block holds in every element
-POISON = 1.0e4
+POISON = float("nan")
 
 
 def poison_free_blocks(engine: LLMEngine, value: float = POISON) -> int:

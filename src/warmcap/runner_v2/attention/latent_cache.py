@@ -27,16 +27,22 @@ def gather_context(cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.
     """Every row's cached vectors for positions ``0 .. max_seq_len - 1``.
 
     Returns ``(values [R, S, D], valid [R, S])`` with ``S = meta.max_seq_len``; ``valid`` is False past
-    a row's ``seq_len`` (those entries read an arbitrary block and must be masked by the caller).
+    a row's ``seq_len``, and the caller masks those entries.
+
+    NOTE: an entry past a row's length holds the row's last token (written by this step), not
+    whatever its page holds there: the caller's mask gives it weight 0, and ``0 * finite`` is 0,
+    while the page may hold NaN (``serve/poison.py``) and ``0 * NaN`` is NaN. Reading another slot
+    costs nothing; zeroing the gathered entries would cost a pass over them.
     """
     _, block_size, dim = cache.shape
     rows, width = meta.block_table.shape
     pos = torch.arange(meta.max_seq_len, device=cache.device)
-    cols = (pos // block_size).clamp(max=width - 1)
-    blocks = meta.block_table[:, cols].to(torch.int64)
-    slots = blocks * block_size + (pos % block_size)[None, :]
+    seq_lens = meta.seq_lens[:, None].to(torch.int64)
+    valid = pos[None, :] < seq_lens
+    read = torch.where(valid, pos[None, :], (seq_lens - 1).clamp(min=0))
+    blocks = meta.block_table.to(torch.int64).gather(1, (read // block_size).clamp(max=width - 1))
+    slots = blocks * block_size + read % block_size
     values = cache.view(-1, dim).index_select(0, slots.reshape(-1)).view(rows, meta.max_seq_len, dim)
-    valid = pos[None, :] < meta.seq_lens[:, None].to(torch.int64)
     return values, valid
 
 

@@ -104,8 +104,6 @@ class StepPlan:
     meta: AttentionMetadata
     stamp: MetaStamp
     max_query_len: int
-    #: [R * C] block ids whose pages, concatenated, hold each row's keys 0 .. C*bs - 1
-    blocks: torch.Tensor
     #: [R * Q] token feeding each padded query slot (clamped; invalid slots masked out)
     query_index: torch.Tensor
     #: [T] padded query slot of each token
@@ -115,7 +113,36 @@ class StepPlan:
     #: [R, Q, 1] position of each padded query slot, -1 for slots past the row's query length
     query_pos: torch.Tensor
     key_pos: torch.Tensor
+    #: [R, 1, 1] each row's sequence length and its first query's position
+    seq_len: torch.Tensor
+    first_query_pos: torch.Tensor
     masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    slots: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def key_slots(self, window: int | None) -> torch.Tensor:
+        """[R * K] the cache slot each row's key position ``0 .. K - 1`` is gathered from.
+
+        NOTE: a position no query of the row sees (past its length, or before every query's
+        window) reads the row's last token instead, which this step has written: the mask gives it
+        weight 0, and ``0 * finite`` is 0, whereas the page itself may hold anything there (NaN from
+        ``serve/poison.py``, a released window column's null block), and ``0 * NaN`` is NaN. Gathering
+        a finite slot costs nothing over gathering the page; zeroing the gathered keys would cost a
+        pass over them.
+        """
+        cached = self.slots.get(window)
+        if cached is not None:
+            return cached
+        bs = self.meta.block_size
+        key_pos = self.key_pos.view(1, -1)
+        unread = key_pos >= self.seq_len.view(-1, 1)
+        if window is not None:
+            unread |= key_pos <= self.first_query_pos.view(-1, 1) - window
+        last = (self.seq_len.view(-1, 1) - 1).clamp(min=0)
+        pos = torch.where(unread, last, key_pos)
+        table = self.meta.block_table[: self.seq_len.shape[0]].long()
+        slots = table.gather(1, pos // bs) * bs + pos % bs
+        cached = self.slots[window] = slots.reshape(-1)
+        return cached
 
     def mask(self, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
         """[R, 1, G*Q, K] additive mask (0 or -inf): causal, inside the window, at least one 0 per row.
@@ -159,12 +186,13 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
         meta=meta,
         stamp=MetaStamp.of(meta),
         max_query_len=q,
-        blocks=meta.block_table[:r, :cols].long().reshape(-1),
         query_index=query_index,
         out_index=out_index,
         token_valid=valid[:, None, None],
         query_pos=query_pos[:, :, None],
         key_pos=torch.arange(cols * bs, device=device)[None, None, :],
+        seq_len=seq[:, None, None],
+        first_query_pos=(seq - qlen)[:, None, None],
     )
 
 
@@ -224,9 +252,10 @@ class TorchPagedAttention(AttentionBackend):
         r, qmax = meta.num_reqs, plan.max_query_len
         hkv = kv_cache.shape[3]
         group = hq // hkv
-        # [R, Hkv, K, D]: each row's pages laid end to end.
-        keys = kv_cache[0].index_select(0, plan.blocks).view(r, -1, hkv, d).transpose(1, 2)
-        values = kv_cache[1].index_select(0, plan.blocks).view(r, -1, hkv, d).transpose(1, 2)
+        # [R, Hkv, K, D]: each row's keys laid end to end, read slot by slot (see ``key_slots``).
+        slots = plan.key_slots(sliding_window)
+        keys = kv_cache[0].view(-1, hkv, d).index_select(0, slots).view(r, -1, hkv, d).transpose(1, 2)
+        values = kv_cache[1].view(-1, hkv, d).index_select(0, slots).view(r, -1, hkv, d).transpose(1, 2)
         # Pure decode (one token per row, no padded tokens): token i is row i's only query, so the
         # query gather and the output scatter are identities and plain views replace them.
         decode = qmax == 1 and t == r
