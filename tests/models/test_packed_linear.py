@@ -115,8 +115,8 @@ def test_grouped_linears_give_each_members_product_bit_for_bit(m: int, sizes, bi
     grouped.load_state_dict(alone.state_dict())
     x = torch.randn(m, 576)
     with torch.inference_mode():
-        for linear in (alone.a, alone.b, alone.c):
-            prepack_linears(linear)  # each alone: no group
+        assert prepack_linears(alone, groups=False) == 3  # each alone: no group
+        assert packed_group(alone.a, alone.b, alone.c) is None
         assert prepack_linears(grouped) == 3
         group = packed_group(grouped.a, grouped.b, grouped.c)
         assert isinstance(group, PackedGroup)

@@ -127,20 +127,20 @@ def _pack_group(owner: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     return members
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, *, groups: bool = True) -> int:
     """Turn every plain float32 CPU ``nn.Linear`` of ``model`` into a :class:`PackedLinear` in place;
     returns how many were packed (0 without oneDNN).
 
     A module that lists sibling linears in ``packed_groups`` (tuples of child names reading the same
     input) gets each tuple packed as one :class:`PackedGroup`, for its forward to call through
-    :func:`packed_group`. A weight shared by several modules (a tied LM head) is packed once per
+    :func:`packed_group` (``groups=False``: each packed alone, the benchmark's peer). A weight shared by several modules (a tied LM head) is packed once per
     module that multiplies by it; the parameters themselves are untouched, so embeddings and state
     dicts see no change.
     """
     if not can_prepack():
         return 0
     count = 0
-    for module in list(model.modules()):
+    for module in list(model.modules()) if groups else ():
         for names in getattr(module, "packed_groups", ()):
             count += len(_pack_group(module, names))
     for module in model.modules():
