@@ -133,6 +133,14 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[T, heads * head_dim]`` of ``x``: one packed GEMM when q/k/v were grouped."""
+        group = packed_group(self.q_proj, self.k_proj, self.v_proj)
+        if group is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = group(x)
+        return q, k, v
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
@@ -146,7 +154,7 @@ class LlamaAttention(nn.Module):
             q, k = qk.split((hq, hkv), dim=1)
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         else:
-            q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if group is None else group(x)
+            q, k, v = self.project(x)
             q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
