@@ -7,6 +7,10 @@ linears of SmolLM2 on one thread (BENCHMARKS.md); a single row (MKL's matrix-vec
 unchanged. The ops are torch's own (``torch.ops.mkldnn``), the ones inductor emits when it freezes
 weights, so nothing beyond torch is needed.
 
+Sibling linears that read the same input (q/k/v, gate/up; a module lists them in
+``packed_groups``) are packed as one weight and run as one GEMM (:class:`PackedGroup`): fewer,
+larger calls, the same values bit for bit.
+
 Results equal ``F.linear`` to float32 rounding (a different summation order; checked in
 ``tests/models/test_packed_linear.py``), so greedy tokens match transformers as before.
 
