@@ -65,10 +65,11 @@ def warmcap_runner(
     batch_invariant: bool = False,
     eager: bool = False,
     packed: bool = True,
+    grouped: bool = True,
     **_: object,
 ) -> Runner:
     from warmcap.llm import LLM
-    from warmcap.models.packed_linear import unpack_linears
+    from warmcap.models.packed_linear import prepack_linears, unpack_linears
     from warmcap.sampling_params import SamplingParams
 
     longest = max(len(p) for p in ids) + max_tokens
@@ -85,6 +86,10 @@ def warmcap_runner(
     if not packed:
         # The peer for models/packed_linear.py: the same engine on plain F.linear.
         unpack_linears(llm.engine.model)
+    elif not grouped:
+        # The peer for PackedGroup: q/k/v and gate/up packed one by one, three and two GEMMs.
+        unpack_linears(llm.engine.model)
+        prepack_linears(llm.engine.model, groups=False)
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return lambda: [o.token_ids for o in llm.generate(ids, params)]
@@ -204,6 +209,7 @@ PEERS: dict[str, Callable[..., Runner]] = {
     # the same engine with fixed-shape GEMM tiles (--batch-invariant): the price of invariance
     "warmcap_batch_invariant": partial(warmcap_runner, batch_invariant=True),
     "warmcap_unpacked": partial(warmcap_runner, packed=False),
+    "warmcap_ungrouped": partial(warmcap_runner, grouped=False),
     "hf_generate": hf_generate_runner,
     "hf_paged": hf_paged_runner,
 }

@@ -15,10 +15,13 @@ from torch import nn
 from warmcap.models.batch_invariant import BatchInvariantLinear
 from warmcap.models.loader import load_model
 from warmcap.models.packed_linear import (
+    PackedGroup,
     PackedLinear,
     can_prepack,
+    packed_group,
     prepack_linears,
     prepacked_bytes,
+    running_unpacked,
     unpack_linears,
 )
 from warmcap.models.tiny import write_tiny_model
@@ -81,11 +84,71 @@ def test_only_plain_float32_cpu_linears_are_packed() -> None:
     assert type(model["bf16"]) is nn.Linear and type(model["tiled"]) is BatchInvariantLinear
 
 
+def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
+    out = []
+    for m in model.modules():
+        if type(m) is PackedLinear:
+            out.append(m.packed_weight if m.group is None else m.group.weight)
+    return out
+
+
+class _Siblings(nn.Module):
+    packed_groups = (("a", "b", "c"),)
+
+    def __init__(self, k: int, sizes: tuple[int, int, int], bias: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(k, n, bias=bias) for n in sizes)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(0, 40),
+    sizes=st.sampled_from([(576, 192, 192), (1536, 1536, 8), (64, 32, 96)]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_linears_give_each_members_product_bit_for_bit(m: int, sizes, bias: bool, seed: int) -> None:
+    """One GEMM over the siblings' concatenated weights equals each member packed alone, exactly:
+    fusing q/k/v or gate/up must not move a single greedy token."""
+    torch.manual_seed(seed)
+    alone, grouped = _Siblings(576, sizes, bias), _Siblings(576, sizes, bias)
+    grouped.load_state_dict(alone.state_dict())
+    x = torch.randn(m, 576)
+    with torch.inference_mode():
+        assert prepack_linears(alone, groups=False) == 3  # each alone: no group
+        assert packed_group(alone.a, alone.b, alone.c) is None
+        assert prepack_linears(grouped) == 3
+        group = packed_group(grouped.a, grouped.b, grouped.c)
+        assert isinstance(group, PackedGroup)
+        for got, member_alone, member in zip(
+            group(x), (alone.a, alone.b, alone.c), (grouped.a, grouped.b, grouped.c), strict=True
+        ):
+            assert torch.equal(got, member_alone(x))
+            assert torch.equal(member(x), got)  # a member called alone runs the group
+    # in the wrong order, or with a member run unpacked, there is no group to call
+    assert packed_group(grouped.b, grouped.a, grouped.c) is None
+    with running_unpacked([grouped.b]):
+        assert packed_group(grouped.a, grouped.b, grouped.c) is None
+
+
+def test_siblings_with_bias_on_some_only_are_packed_one_by_one() -> None:
+    model = _Siblings(16, (8, 8, 8), bias=True)
+    model.b.bias = None
+    assert prepack_linears(model) == 3
+    assert packed_group(model.a, model.b, model.c) is None
+    assert all(m.packed_weight is not None and m.group is None for m in (model.a, model.b, model.c))
+
+
 def test_loader_packs_by_default_and_never_in_batch_invariant_mode(tiny_llama: Path) -> None:
     packed = load_model(tiny_llama)
     tiled = load_model(tiny_llama, batch_invariant=True)
     linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is PackedLinear for m in linears)
+    # q/k/v and gate/up of every layer run as one GEMM each
+    for layer in packed.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert packed_group(attn.q_proj, attn.k_proj, attn.v_proj) is not None
+        assert packed_group(mlp.gate_proj, mlp.up_proj) is not None
     assert not any(isinstance(m, PackedLinear) for m in tiled.modules())
     # The parameters are untouched: same names, same values as the unpacked checkpoint.
     assert packed.state_dict().keys() == tiled.state_dict().keys()
@@ -102,11 +165,9 @@ def test_kv_sizing_counts_the_packed_copies_the_same_on_meta_and_loaded(tiny_lla
     loaded = load_model(tiny_llama)
     meta, _ = meta_model(tiny_llama, EngineConfig(model=ModelConfig(model=str(tiny_llama))))
     cpu = torch.device("cpu")
-    held = sum(
-        m.packed_weight.numel() * m.packed_weight.element_size()
-        for m in loaded.modules()
-        if type(m) is PackedLinear
-    )
+    # grouped linears (q/k/v, gate/up) share one packed tensor: count each tensor once
+    copies = {id(t): t for t in packed_tensors(loaded)}.values()
+    held = sum(t.numel() * t.element_size() for t in copies)
     assert prepacked_bytes([loaded], cpu, batch_invariant=False) == prepacked_bytes(
         [meta], cpu, batch_invariant=False
     )

@@ -49,9 +49,10 @@ class PartialRopeAttention(LlamaAttention):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         t, rot = x.shape[0], cos.shape[-1]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q = torch.cat((apply_rope(q[..., :rot], cos, sin), q[..., rot:]), dim=-1)
         k = torch.cat((apply_rope(k[..., :rot], cos, sin), k[..., rot:]), dim=-1)
         out = ctx.attention(self.layer_name, q, k, v, scale=self.scale, sliding_window=self.sliding_window)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from torch import nn
 
 from warmcap.contracts.parallel import all_gather_last_dim, all_reduce_sum, parallel_state, split_evenly
 from warmcap.errors import ModelLoadError
+from warmcap.models.packed_linear import packed_group
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -57,6 +59,9 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with HF's ``gate_proj``/``up_proj``/``down_proj`` names."""
 
+    #: gate and up read the same input: one packed GEMM on CPU (``models/packed_linear.py``)
+    packed_groups: ClassVar[tuple[tuple[str, ...], ...]] = (("gate_proj", "up_proj"),)
+
     def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False) -> None:
         super().__init__()
         # Tensor parallel: gate/up split their outputs, down its inputs (one all-reduce per MLP).
@@ -67,7 +72,9 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        group = packed_group(self.gate_proj, self.up_proj)
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if group is None else group(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 @dataclass(frozen=True, slots=True)

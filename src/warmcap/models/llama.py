@@ -20,6 +20,7 @@ from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from warmcap.errors import ConfigError, ModelLoadError
 from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from warmcap.models.layers import GatedMLP, RMSNorm, column_linear, row_linear
+from warmcap.models.packed_linear import packed_group
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 #: checkpoint entries that carry no weights of ours (recomputed buffers)
@@ -101,6 +102,9 @@ def head_split(num_heads: int, num_kv_heads: int, state: ParallelState) -> HeadS
 
 
 class LlamaAttention(nn.Module):
+    #: q, k and v read the same input: one packed GEMM on CPU (``models/packed_linear.py``)
+    packed_groups: ClassVar[tuple[tuple[str, ...], ...]] = (("q_proj", "k_proj", "v_proj"),)
+
     def __init__(self, hf_config: Any, layer_idx: int, traits: ArchTraits) -> None:
         super().__init__()
         total_heads = hf_config.num_attention_heads
@@ -129,16 +133,32 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[T, heads * head_dim]`` of ``x``: one packed GEMM when q/k/v were grouped."""
+        group = packed_group(self.q_proj, self.k_proj, self.v_proj)
+        if group is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = group(x)
+        return q, k, v
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        group = packed_group(self.q_proj, self.k_proj, self.v_proj)
+        if group is not None and self.q_norm is None:
+            # q and k are adjacent columns of one product: rotate them in one pass (elementwise, so
+            # the same values as a pass each).
+            qkv = group.product(x)
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            q, k = qk.split((hq, hkv), dim=1)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        else:
+            q, k, v = self.project(x)
+            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attention(self.layer_name, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
