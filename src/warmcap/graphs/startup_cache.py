@@ -31,6 +31,7 @@ unreadable entry is ignored with a warning and rewritten.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -257,7 +258,8 @@ class StartupCache:
             os.replace(tmp, self.path)
         except OSError as e:
             log.warning("start-up cache %s could not be written (%s): the next start verifies again", tmp, e)
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 def _check_dict(check: GraphCheck) -> dict[str, Any]:
