@@ -233,3 +233,12 @@ def test_a_planted_verdict_that_is_never_spot_checked_cannot_survive_rotation(ca
         found = found or any("stale" in n for n in warm.notes)
     assert found
     assert all(g.verified for g in start(cache_dir, model_dir).records)
+
+
+def test_compile_points_inductor_into_the_cache_unless_the_user_chose(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    startup_cache.enable_compile_cache(tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own/dir")
+    startup_cache.enable_compile_cache(tmp_path)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/users/own/dir"

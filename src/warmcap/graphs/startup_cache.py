@@ -299,8 +299,8 @@ def same_verdict(cached: GraphCheck, fresh: GraphCheck) -> bool:
 
 
 def enable_compile_cache(directory: Path) -> None:
-    """Point torch's inductor and FX-graph caches into ``directory`` (``--backend compile``), unless
-    the user set them. NOTE: process-wide environment, read by inductor when it compiles."""
+    """Point torch's inductor cache (FX graphs, AOT-autograd graphs, generated kernels: all on by
+    default in torch) into ``directory/inductor`` (``--backend compile``), unless the user chose
+    one. NOTE: process-wide environment; inductor fixes its directory the first time it compiles,
+    so a process that compiled before start-up keeps the one it had."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))
-    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
