@@ -443,6 +443,12 @@ def run(
     verbose: bool = _verbose_option(),
     kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
     tensor_parallel_size: int = _tp_option(),
+    startup_cache: bool = typer.Option(
+        True,
+        "--startup-cache/--no-startup-cache",
+        help="Reuse graph verdicts of an identical earlier start (one graph per phase is still "
+        "verified); the cache is $WARMCAP_STARTUP_CACHE or startup/ in the warmcap cache.",
+    ),
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
@@ -480,7 +486,12 @@ def run(
         )
     with _watched_startup(quiet=quiet, verbose=verbose):
         result = run_startup(
-            config, backend=backend, capture_sizes=sizes, audit=audit, audit_serving=audit_serving
+            config,
+            backend=backend,
+            capture_sizes=sizes,
+            audit=audit,
+            audit_serving=audit_serving,
+            startup_cache=startup_cache,
         )
     report = result.report
     # Tensor parallelism: the worker ranks are not needed for printing the report.

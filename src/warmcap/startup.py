@@ -59,6 +59,7 @@ def run_startup(
     smoke_tokens: int = 16,
     num_smoke_prompts: int = 2,
     observer: StartupObserver | None = None,
+    startup_cache: bool = False,
 ) -> StartupRun:
     """Start an engine with warmup and graph hooks, run a short greedy generation, build the report.
 
@@ -67,11 +68,15 @@ def run_startup(
     generation is skipped then, as the cache may be corrupted. ``audit_serving`` audits every step
     the engine runs afterwards, the smoke generation included.
     Each phase is reported to ``observer`` (default: the one set by ``startup_hooks.observing``).
+    ``startup_cache``: reuse graph verdicts of an identical earlier start
+    (:mod:`warmcap.graphs.startup_cache`; ``warmup run`` turns it on).
     """
     observer = observer or current_observer()
     hooks = [
         partial(warmup_hook, audit=audit, strict=False),
-        partial(graph_capture_hook, backend=backend, capture_sizes=capture_sizes),
+        partial(
+            graph_capture_hook, backend=backend, capture_sizes=capture_sizes, startup_cache=startup_cache
+        ),
     ]
     engine = LLMEngine(config, startup_hooks=hooks, audit_serving=audit_serving, observer=observer)
     warm = engine.warmup_result

@@ -42,6 +42,7 @@ from warmcap.graphs.subjects import GraphSubject, Outputs, make_subjects
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
+    from warmcap.graphs.startup_cache import StartupCache
     from warmcap.runner_v2.model_runner import ModelRunner
 
 GRAPH_BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
@@ -62,6 +63,8 @@ class CapturedGraph:
     #: would it record under CUDA (``static`` / ``compile``: checked on the largest graph of each
     #: phase with fake tensors; None: not checked)
     safety: GraphSafety | None = None
+    #: ``safety`` came from the start-up cache, not a trace in this run
+    safety_cached: bool = False
 
 
 @dataclass(slots=True)
@@ -148,9 +151,16 @@ class GraphCapturer:
         return self.subject(spec).forward(spec, metas)
 
     @torch.inference_mode()
-    def capture(self, on_graph: Callable[[int, int, str], None] | None = None) -> CaptureResult:
+    def capture(
+        self,
+        on_graph: Callable[[int, int, str], None] | None = None,
+        *,
+        startup_cache: StartupCache | None = None,
+    ) -> CaptureResult:
         """Eager pass over every shape, then capture largest first (target, then drafter);
-        ``on_graph(done, total, label)`` is called after each capture (start-up progress)."""
+        ``on_graph(done, total, label)`` is called after each capture (start-up progress).
+        CUDA-safety verdicts found in ``startup_cache`` are taken from it; traced ones are put
+        there (:mod:`warmcap.graphs.startup_cache`)."""
         result = CaptureResult(
             self.plan, [], notes=[*self.plan.notes, *self.draft_plan.notes], draft_plan=self.draft_plan
         )
@@ -167,7 +177,11 @@ class GraphCapturer:
                 if self.check_cuda_safety and spec.phase not in checked:
                     # The code path depends on the phase, not the size: the largest graph stands for it.
                     checked.add(spec.phase)
-                    graph.safety = self._cuda_safety(graph)
+                    cached = startup_cache.cached_safety(spec.label) if startup_cache else None
+                    graph.safety = cached or self._cuda_safety(graph)
+                    graph.safety_cached = cached is not None
+                    if startup_cache is not None:
+                        startup_cache.safety[spec.label] = graph.safety
                 result.graphs.append(graph)
                 result.order.append(("capture", spec.label))
                 if on_graph is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from warmcap.graphs.startup import GraphStartup, capture_graphs
+from warmcap.graphs.startup_cache import startup_cache_dir
 
 if TYPE_CHECKING:
     from warmcap.startup_hooks import StartupContext
@@ -16,12 +17,16 @@ def graph_capture_hook(
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
     verify: bool = True,
+    startup_cache: bool = False,
 ) -> GraphStartup | None:
     """Capture the runner's graphs (``cuda`` on a GPU, ``static`` elsewhere) after warmup; None
     when the config says ``enforce_eager``. The engine keeps the result as
-    ``startup_results["graph_capture"]``."""
+    ``startup_results["graph_capture"]``. ``startup_cache``: reuse and record verdicts in the
+    start-up cache (:mod:`warmcap.graphs.startup_cache`)."""
     if ctx.config.model.enforce_eager:
         return None
+    from warmcap.engine import resolve_model_path
+
     return capture_graphs(
         ctx.runner,
         ctx.kv_cache_manager,
@@ -29,4 +34,6 @@ def graph_capture_hook(
         capture_sizes=capture_sizes,
         verify=verify,
         report=ctx.report,
+        startup_cache=startup_cache_dir() if startup_cache else None,
+        model_dir=resolve_model_path(ctx.config.model.model) if startup_cache else None,
     )

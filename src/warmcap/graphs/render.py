@@ -48,6 +48,12 @@ def render(report: CaptureReport, console: Console) -> None:
     t = report.totals
     ok = "[green]all verified[/]" if t.all_verified else "[red]NOT all verified[/]"
     console.print(f"[bold]totals[/]  {t.count} graphs, {t.seconds:.3f} s, {_mib(t.bytes)}, {ok}")
+    cached = sum(g.verified_source == "cache" for g in report.graphs)
+    if cached:
+        console.print(
+            f"[dim]{cached} of {t.count} verdicts from the start-up cache (one graph per phase verified "
+            "in this run; --no-startup-cache verifies all)[/]"
+        )
     if not report.batch_invariant and any(g.real_rows_max_abs_diff for g in report.graphs):
         console.print(
             "[dim]real rows: small nonzero differences are float rounding (the unpadded batch runs "

@@ -27,6 +27,8 @@ TIMING_KEYS: tuple[str, ...] = ("load", "kv_sizing", "warmup", "capture", "verif
 
 Phase = Literal["decode", "mixed", "sparse_mla", "draft_prefill", "draft_decode"]
 Backend = Literal["cuda", "static", "compile", "eager"]
+#: where a graph's verdict came from: checked in this run, or the start-up cache
+VerdictSource = Literal["run", "cache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,11 @@ class GraphRecord:
     #: and compile backends)? None: not checked (a ``cuda`` capture proves it by recording)
     cuda_safe: bool | None = None
     cuda_unsafe_reason: str = ""
+    #: ``run``: ``verified`` was checked in this start-up; ``cache``: taken from the start-up cache
+    #: (:mod:`warmcap.graphs.startup_cache`)
+    verified_source: VerdictSource = "run"
+    #: the same for ``cuda_safe``
+    cuda_safe_source: VerdictSource = "run"
 
     @property
     def key(self) -> tuple[str, str, int, int | None, int | None]:

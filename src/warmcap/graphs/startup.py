@@ -3,6 +3,7 @@ to the model runner, and describe it for the report."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from warmcap.graphs.capture import CaptureResult, GraphCapturer
+from warmcap.graphs.capture import CapturedGraph, CaptureResult, GraphCapturer
 from warmcap.graphs.graph_runner import GraphRunner
 from warmcap.graphs.report import (
     CaptureReport,
@@ -20,12 +21,23 @@ from warmcap.graphs.report import (
     SpecInfo,
     WarmupAudit,
 )
+from warmcap.graphs.startup_cache import (
+    CachedCheck,
+    StartupCache,
+    StartupKey,
+    enable_compile_cache,
+    same_verdict,
+)
 from warmcap.graphs.verify import GraphCheck, verify_graphs
 from warmcap.models.batch_invariant import is_batch_invariant
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from warmcap.core.kv_cache_manager import KVCacheManager
     from warmcap.runner_v2.model_runner import ModelRunner
+
+log = logging.getLogger("warmcap.startup")
 
 
 def default_backend(runner: ModelRunner) -> str:
@@ -45,6 +57,10 @@ class GraphStartup:
     capture_seconds: float
     verify_seconds: float
     notes: list[str] = field(default_factory=list)
+    #: labels of graphs whose verification was taken from the start-up cache, not run
+    cached_checks: set[str] = field(default_factory=set)
+    #: the start-up cache entry this start read and wrote (None: cache off)
+    startup_cache: StartupCache | None = None
 
     @property
     def records(self) -> list[GraphRecord]:
@@ -69,6 +85,8 @@ class GraphStartup:
                     greedy_match=check.greedy_match if check else None,
                     cuda_safe=g.safety.safe if g.safety else None,
                     cuda_unsafe_reason=g.safety.reason if g.safety and not g.safety.safe else "",
+                    verified_source="cache" if g.spec.label in self.cached_checks else "run",
+                    cuda_safe_source="cache" if g.safety_cached else "run",
                 )
             )
         return out
@@ -116,26 +134,109 @@ def capture_graphs(
     capture_sizes: list[int] | None = None,
     verify: bool = True,
     report: Callable[..., None] | None = None,
+    startup_cache: Path | None = None,
+    model_dir: Path | None = None,
 ) -> GraphStartup:
     """Capture the runner's target and drafter graphs, verify each (I4), and attach them for
     serving (``runner.attach_graphs``). ``report`` is
-    :meth:`~warmcap.startup_hooks.StartupContext.report` (start-up progress) or None."""
+    :meth:`~warmcap.startup_hooks.StartupContext.report` (start-up progress) or None.
+
+    ``startup_cache``: directory of the start-up cache (:mod:`warmcap.graphs.startup_cache`;
+    None: off), keyed on the weights in ``model_dir``. With it, verdicts cached for this exact
+    setup are reused, and one graph per phase is still verified for real; ``compile`` points
+    torch's inductor caches there too.
+    """
     say = report or _silent
     chosen = backend or default_backend(runner)
     capturer = GraphCapturer(runner, chosen, capture_sizes=capture_sizes)
+    cache = None
+    if startup_cache is not None:
+        if model_dir is None:
+            raise ValueError("capture_graphs: a startup_cache needs the model_dir its verdicts are keyed on")
+        cache = _open_cache(startup_cache, model_dir, capturer, kv_cache_manager)
+        if chosen == "compile":
+            enable_compile_cache(startup_cache)
     start = time.perf_counter()
     say("graph_capture", f"backend {chosen}: eager pass over every shape")
     result = capturer.capture(
-        on_graph=lambda done, total, label: say("graph_capture", f"captured {label}", done=done, total=total)
+        on_graph=lambda done, total, label: say("graph_capture", f"captured {label}", done=done, total=total),
+        startup_cache=cache,
     )
     captured = time.perf_counter()
     checks: list[GraphCheck] = []
+    cached_labels: set[str] = set()
+    notes = list(result.notes)
     if verify:
-        say("graph_verify", "replay vs eager", done=0, total=len(result.graphs))
-        checks = verify_graphs(
+        checks, cached_labels, stale = _verify(capturer, result.graphs, kv_cache_manager, cache, say)
+        notes += stale
+    verified = time.perf_counter()
+    if verify:
+        ok = sum(c.verified for c in checks)
+        from_cache = f" ({len(cached_labels)} from the start-up cache)" if cached_labels else ""
+        say(
+            "graph_verify",
+            f"{ok}/{len(checks)} verified{from_cache}",
+            finished=True,
+            seconds=verified - captured,
+        )
+    if cache is not None:
+        if stale:
+            # Something outside the key changed; the safety verdicts read from it are suspect too.
+            cache.safety = {g.spec.label: g.safety for g in result.graphs if g.safety and not g.safety_cached}
+        ran = [c for c in checks if c.label not in cached_labels]
+        cache.save(checked_now=ran, keep_checks=not stale)
+        if cache.ignored:
+            notes.append(cache.ignored)
+    graph_runner = GraphRunner(capturer.subjects, result.graphs)
+    runner.attach_graphs(graph_runner)
+    notes += [f"{c.label}: not verified ({c.reason})" for c in checks if c.reason]
+    return GraphStartup(
+        chosen,
+        capturer,
+        graph_runner,
+        result,
+        checks,
+        captured - start,
+        verified - captured,
+        notes,
+        cached_labels,
+        cache,
+    )
+
+
+def _open_cache(
+    directory: Path, model_dir: Path, capturer: GraphCapturer, manager: KVCacheManager
+) -> StartupCache:
+    runner = capturer.runner
+    key = StartupKey.build(
+        device=runner.device,
+        model_dir=model_dir,
+        config=runner.config,
+        backend=capturer.backend,
+        num_blocks=manager.pool.num_blocks,
+        specs=[*capturer.plan.specs, *capturer.draft_plan.specs],
+    )
+    return StartupCache.open(directory, key)
+
+
+def _verify(
+    capturer: GraphCapturer,
+    graphs: list[CapturedGraph],
+    manager: KVCacheManager,
+    cache: StartupCache | None,
+    say: Callable[..., None],
+) -> tuple[list[GraphCheck], set[str], list[str]]:
+    """Every graph's check, the labels taken from ``cache``, and notes on a stale cache.
+
+    With every verdict cached, only the least recently checked graph of each phase runs; if one
+    of those disagrees with its cached verdict, the entry is stale and every graph runs."""
+
+    def run(subset: list[CapturedGraph], what: str) -> list[GraphCheck]:
+        say("graph_verify", what, done=0, total=len(subset))
+        return verify_graphs(
             capturer,
-            result.graphs,
-            kv_cache_manager,
+            subset,
+            manager,
             on_check=lambda done, total, check: say(
                 "graph_verify",
                 f"{check.label}: {'verified' if check.verified else 'NOT verified'}",
@@ -143,14 +244,31 @@ def capture_graphs(
                 total=total,
             ),
         )
-    verified = time.perf_counter()
-    if verify:
-        ok = sum(c.verified for c in checks)
-        say("graph_verify", f"{ok}/{len(checks)} verified", finished=True, seconds=verified - captured)
-    graph_runner = GraphRunner(capturer.subjects, result.graphs)
-    runner.attach_graphs(graph_runner)
-    notes = list(result.notes)
-    notes += [f"{c.label}: not verified ({c.reason})" for c in checks if c.reason]
-    return GraphStartup(
-        chosen, capturer, graph_runner, result, checks, captured - start, verified - captured, notes
-    )
+
+    labels = [g.spec.label for g in graphs]
+    cached = cache.cached_checks(labels) if cache is not None else None
+    if not cached:
+        return run(graphs, "replay vs eager"), set(), []
+    spot = _spot_graphs(graphs, cached)
+    fresh = {c.label: c for c in run(spot, f"{len(graphs) - len(spot)} verdicts cached; spot check")}
+    stale = [label for label, c in fresh.items() if not same_verdict(cached[label].check, c)]
+    if stale:
+        note = (
+            f"start-up cache was stale: the spot check of {', '.join(stale)} disagreed with its cached "
+            f"verdict; every graph was verified again and the entry rebuilt ({cache.path if cache else ''})"
+        )
+        log.warning(note)
+        return run(graphs, "stale cache: replay vs eager"), set(), [note]
+    checks = [fresh.get(label) or cached[label].check for label in labels]
+    return checks, set(labels) - set(fresh), []
+
+
+def _spot_graphs(graphs: list[CapturedGraph], cached: dict[str, CachedCheck]) -> list[CapturedGraph]:
+    """The least recently checked graph of each phase, so a few warm starts re-check every graph;
+    among equals the smallest (last captured), the cheapest to run."""
+    spot: dict[str, CapturedGraph] = {}
+    for g in graphs:
+        best = spot.get(g.spec.phase)
+        if best is None or cached[g.spec.label].checked_at <= cached[best.spec.label].checked_at:
+            spot[g.spec.phase] = g
+    return [g for g in graphs if g in spot.values()]

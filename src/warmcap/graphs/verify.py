@@ -28,6 +28,7 @@ the free queue) and zeroed, so verification leaves no trace in the pool or the K
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -112,6 +113,13 @@ def vocab_size(model: torch.nn.Module) -> int:
     return next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
 
 
+def graph_rng(seed: int, label: str) -> np.random.Generator:
+    """The inputs' generator of one graph's check: seeded by the graph, not by the graphs checked
+    before it, so a check gives the same numbers alone as in a full pass (the start-up cache's
+    spot check, :mod:`warmcap.graphs.startup_cache`, relies on it)."""
+    return np.random.default_rng([seed, zlib.crc32(label.encode())])
+
+
 def verify_graphs(
     capturer: GraphCapturer,
     graphs: list[CapturedGraph],
@@ -122,16 +130,16 @@ def verify_graphs(
     on_check: Callable[[int, int, GraphCheck], None] | None = None,
 ) -> list[GraphCheck]:
     """Verify every graph, target and drafter (see the module docstring); one :class:`GraphCheck`
-    per graph. ``on_check(done, total, check)`` is called after each (start-up progress)."""
+    per graph, each a function of its graph alone (:func:`graph_rng`). ``on_check(done, total, check)`` is called after each (start-up progress)."""
     runner = capturer.runner
     tol = tolerance or default_tolerance(
         runner.device, runner.dtype, capturer.backend, batch_invariant=is_batch_invariant(runner.model)
     )
-    rng = np.random.default_rng(seed)
     vocab = vocab_size(runner.model)
     checks: list[GraphCheck] = []
     with torch.inference_mode():
         for graph in graphs:
+            rng = graph_rng(seed, graph.spec.label)
             checks.append(_verify_one(capturer, graph, kv_cache_manager, tol, rng, vocab))
             if on_check is not None:
                 on_check(len(checks), len(graphs), checks[-1])
