@@ -14,7 +14,7 @@ from warmcap.core.kv_spec import (
     MLASpec,
     SlidingWindowSpec,
 )
-from warmcap.core.reservation import reserved_blocks, skipped_blocks
+from warmcap.core.reservation import reserved_blocks, skipped_blocks, stateless_columns
 from warmcap.errors import CapacityError
 from warmcap.warmup.plan_view import plan_schema
 from warmcap.warmup.planner import plan_warmup
@@ -37,7 +37,8 @@ def _full(bs: int) -> list[KVCacheGroup]:
 
 def assert_plan_follows_rule(plan, config) -> None:
     """Every planned request holds exactly the rule's count; ids are distinct and never the null
-    block (except sliding-window columns the rule releases)."""
+    block (except columns the rule releases: sliding-window and Mamba columns left behind, and a
+    Mamba ``align`` step's stateless columns)."""
     mml = config.max_model_len
     for step in plan.steps:
         owners: dict[int, str] = {}
@@ -50,8 +51,12 @@ def assert_plan_follows_rule(plan, config) -> None:
                 )
                 assert len(ids) == want, (step.name, r.req_id, g.name, len(ids), want)
                 released = skipped_blocks(g.spec, r.num_computed_tokens)
+                # Mamba ``align``: columns a step neither reads a state from nor writes one to stay
+                # null (at most those between the live state and the committed tokens' last block).
+                committed = r.num_computed_tokens + r.num_scheduled_tokens - r.num_spec_tokens
+                stateless = stateless_columns(g.spec, r.num_computed_tokens, committed)
                 for col, b in enumerate(ids):
-                    if col < released and b == 0:
+                    if (col < released or col in stateless) and b == 0:
                         continue
                     assert b != 0, (step.name, r.req_id, g.name, "null block handed out")
                     assert owners.setdefault(b, r.req_id) == r.req_id, (step.name, b, "shared")
