@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from pd_servers import cluster, transfer_config
+from pd_servers import transfer_config
 
+from server_procs import cluster
 from warmcap.serve.chat import chat_token_ids
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from pd_servers import cluster, free_port, transfer_config
+from pd_servers import transfer_config
 
+from server_procs import cluster, free_port
 from warmcap.kv_transfer.nixl_worker import FAULT_PAUSE_ENV
 
 pytestmark = pytest.mark.slow

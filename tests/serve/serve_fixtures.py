@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,17 +12,11 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
+from server_procs import free_port, parse_metrics
 from warmcap.serve.app import ServerState
 
 STARTUP_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -63,16 +56,6 @@ class Running:
                 return True
             time.sleep(0.05)
         return False
-
-
-def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text -> value per (sample name, labels without model_name)."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
-            out[(s.name, labels)] = s.value
-    return out
 
 
 def metric(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:

@@ -9,8 +9,9 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from serve_fixtures import free_port, running
+from serve_fixtures import running
 
+from server_procs import free_port
 from warmcap.serve.proxy import build_proxy
 
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": {"full": [1]}}

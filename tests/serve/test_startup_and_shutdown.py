@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from serve_fixtures import STARTUP_TIMEOUT_S, free_port, metric, running
+from serve_fixtures import metric, running
 from typer.testing import CliRunner
 
 import warmcap.warmup.hook
+from server_procs import cluster, free_port
 from warmcap.cli import app as cli_app
 from warmcap.llm import build_config
 from warmcap.serve import ServeOptions, build_app
 from warmcap.warmup.audit import Violation
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 SMALL = ["--model", "tiny-llama", "--num-blocks", "128", "--capture-sizes", "1,2", "--max-num-seqs", "4"]
 
 
@@ -101,25 +97,13 @@ def test_serve_enforce_eager_becomes_ready_with_no_graphs_and_audits_serving(mon
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_ends_inflight_requests_with_an_error_and_exits_0(sig: signal.Signals) -> None:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-c",
-        "from warmcap.cli import main; main()",
-        "serve",
-        *SMALL,
-        "--max-model-len",
-        "1024",
-    ]
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_healthy(base, proc)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+def test_a_stop_signal_ends_inflight_requests_with_an_error_and_exits_0(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
+    with cluster(tmp_path) as c:
+        srv = c.serve("server", "tiny-llama", *SMALL[2:], "--max-model-len", "1024")
+        c.wait_ready(srv)
+        client = srv.client()
         streaming = threading.Event()
         outcome: list[BaseException | str] = []
 
@@ -144,28 +128,11 @@ def test_a_stop_signal_ends_inflight_requests_with_an_error_and_exits_0(sig: sig
         thread = threading.Thread(target=long_stream)
         thread.start()
         assert streaming.wait(60)
-        proc.send_signal(sig)
+        srv.process.send_signal(sig)
         thread.join(60)
-        assert proc.wait(60) == 0
+        assert srv.process.wait(60) == 0
         assert len(outcome) == 1 and isinstance(outcome[0], openai.APIError), outcome
         assert "shutting down" in str(outcome[0])
-        log = proc.stdout.read()
+        log = srv.log.read_text()
         stopped = re.search(r"engine stopped; (\d+) of (\d+) KV blocks free", log)
         assert stopped and stopped.group(1) == stopped.group(2), log[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
-def _wait_healthy(base: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited early: {proc.stdout.read()[-2000:]}"
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"server at {base} not healthy after {STARTUP_TIMEOUT_S} s")

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import warmcap
+from server_procs import cluster
 from warmcap.cli import app
 from warmcap.errors import WarmcapError
 from warmcap.metrics import SpecDecodeMetrics
@@ -255,32 +252,15 @@ def test_smollm2_self_draft_in_process_meets_its_shipped_baseline() -> None:
     assert report["passed"] and report["measured"]["per_position_rates"] == [1.0, 1.0]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_smollm2_through_warmup_serve_measures_what_in_process_measures(
     smollm2_ngram: dict, tmp_path: Path
 ) -> None:
-    port = free_port()
-    src = str(Path(warmcap.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-c", "from warmcap.cli import main; main()", "serve", "-q"]
-    cmd += ["--model", "smollm2-135m", "--spec", "ngram:3", "--port", str(port), *SERVE_ARGS]
-    log = tmp_path / "serve.log"
-    # NOTE: a log file, not a pipe: nobody reads a pipe while the test runs, and a full one blocks
-    # the server.
-    with log.open("w") as sink:
-        server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=sink)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(server, url, log)
+    with cluster(tmp_path) as c:
+        srv = c.serve("server", "smollm2-135m", "-q", "--spec", "ngram:3", *SERVE_ARGS)
+        c.wait_ready(srv, timeout=600)
+        url = srv.base_url
         # A server started with another setting is refused before any prompt is sent.
         other = invoke("--model", "smollm2-135m", "--spec", "draft_model:2", "--url", url)
         assert other.exit_code == 2 and "drafts with ngram:3 but --spec is draft_model:2" in other.stderr
@@ -292,24 +272,3 @@ def test_smollm2_through_warmup_serve_measures_what_in_process_measures(
         assert report["measured"] == smollm2_ngram["measured"]
         assert report["completion_tokens"] == smollm2_ngram["completion_tokens"]
         assert report["passed"]
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
-
-
-def wait_ready(server: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"warmup serve exited {server.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"warmup serve at {url} not ready after {timeout} s")
