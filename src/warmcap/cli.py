@@ -313,9 +313,9 @@ def generate(
     """
     _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
     from warmcap.config import SpeculativeConfig
-    from warmcap.engine import resolve_model_path
     from warmcap.llm import LLM
     from warmcap.models.loader import load_tokenizer
+    from warmcap.models.presets import resolve_model_path
     from warmcap.sampling_params import SamplingParams
     from warmcap.warmup.audit import AuditViolationError
 
@@ -374,8 +374,8 @@ def _within_model_limit(model: str, wanted: int) -> int | None:
     """``wanted``, or None (the model's own limit) when the model states a smaller one: the
     engine then refuses an overlong request with its usual message."""
     from warmcap.assembly import model_max_len
-    from warmcap.engine import resolve_model_path
     from warmcap.models.loader import load_hf_config
+    from warmcap.models.presets import resolve_model_path
 
     limit = model_max_len(load_hf_config(resolve_model_path(model)))
     return None if limit is not None and wanted > limit else wanted

@@ -33,6 +33,7 @@ from warmcap.kv_transfer.factory import build_kv_connector
 from warmcap.kv_transfer.params import check_transfer_params
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.models.decoder import check_tensor_parallel
+from warmcap.models.presets import resolve_model_path
 from warmcap.models.registry import model_class
 from warmcap.output_processor import TrackedRequest, apply_stop_strings, gather_samples, token_logprobs
 from warmcap.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -62,16 +63,6 @@ DEFAULT_STARTUP_HOOKS: list[StartupHook] = [warmup_hook, graph_capture_hook]
 
 # The engine's per-request record (the name ``LLMEngine.__init__`` annotates ``_requests`` with).
 _Tracked = TrackedRequest
-
-
-def resolve_model_path(name: str) -> Path:
-    """A local HF directory as given, else a preset name resolved by ``warmcap.models.presets``."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    from warmcap.models.presets import resolve_model
-
-    return Path(resolve_model(name))
 
 
 class LLMEngine:

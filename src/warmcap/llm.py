@@ -14,8 +14,9 @@ from warmcap.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from warmcap.engine import LLMEngine, resolve_device, resolve_model_path
+from warmcap.engine import LLMEngine, resolve_device
 from warmcap.errors import ConfigError
+from warmcap.models.presets import resolve_model_path
 from warmcap.outputs import RequestOutput
 from warmcap.prompts import PromptType, split_prompt
 from warmcap.sampling_params import SamplingParams

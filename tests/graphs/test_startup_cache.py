@@ -222,8 +222,11 @@ def test_a_planted_verdict_that_is_never_spot_checked_cannot_survive_rotation(ca
     victim = cold.records[-1]
     entry = entry_file(cache_dir)
     data = json.loads(entry.read_text())
-    # Checked a moment after the others: every other graph of its phase goes before it.
-    data["checks"][victim.label]["checked_at"] += 0.5
+    # The others were checked long before it, so every other graph of its phase is spot-checked
+    # first; any warm start's time is still later than the victim's (no race with the clock).
+    for label, check in data["checks"].items():
+        if label != victim.label:
+            check["checked_at"] -= 1000.0
     data["checks"][victim.label]["check"]["verified"] = False
     entry.write_text(json.dumps(data))
     per_phase = sum(g.phase == victim.phase for g in cold.records)

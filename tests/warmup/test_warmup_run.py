@@ -10,7 +10,6 @@ import torch
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.engine import LLMEngine
-from warmcap.errors import NonFiniteLogitsError
 from warmcap.graphs.report import CaptureReport, report_schema
 from warmcap.sampling_params import SamplingParams
 from warmcap.startup import run_startup
@@ -103,10 +102,11 @@ def test_warmup_leaves_no_trace_even_when_used_blocks_hold_garbage(spec):
     assert _generate(engine) == fresh
 
 
-def test_scrub_is_what_makes_generation_clean():
-    """Without the scrub, NaN left in warmup blocks reaches the next requests through the masked
-    tail of their last block (0 * NaN is NaN), so the test above can fail: the engine's
-    non-finite-logits check is what then stops generation."""
+def test_nan_left_in_warmup_blocks_changes_nothing_even_unscrubbed():
+    """NaN left in warmup blocks sits in the masked tails of later requests' last blocks. Attention
+    never multiplies an unread position by a zero weight (runner_v2/attention/torch_paged.py), so
+    generation equals a fresh engine's with the scrub and without it: the scrub is hygiene, and a
+    masked tail that leaked (0 * NaN is NaN) would fail this test."""
     from warmcap.warmup import run as run_mod
 
     fresh = _generate(_engine("eagle:3"))
@@ -123,8 +123,8 @@ def test_scrub_is_what_makes_generation_clean():
         run_warmup(engine.runner, engine.kv_cache_manager, plan, before_scrub=dirty)
     finally:
         run_mod.scrub = original
-    with pytest.raises(NonFiniteLogitsError):
-        _generate(engine)
+    assert any(t.isnan().any() for t in engine.runner.kv_caches.tensors.values())
+    assert _generate(engine) == fresh
     engine_scrubbed = _engine("eagle:3")
     run_warmup(engine_scrubbed.runner, engine_scrubbed.kv_cache_manager, plan, before_scrub=dirty)
     assert _generate(engine_scrubbed) == fresh

@@ -123,10 +123,10 @@ def _wait_for_rank0(addr: str, port: int, timeout_s: float) -> None:
 def _local_model_path(launch: Launch) -> Path:
     """Rank 0's model path when it exists here, else the same model resolved on this machine (a
     preset is converted here; a directory rank 0 read must exist at the same path)."""
-    from warmcap.models.presets import resolve_model
+    from warmcap.models.presets import resolve_model_path
 
     path = Path(launch.model_path)
-    return path if path.exists() else Path(resolve_model(launch.config.model.model))
+    return path if path.exists() else resolve_model_path(launch.config.model.model)
 
 
 def _local_rank(rank: int) -> int:

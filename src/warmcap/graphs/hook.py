@@ -25,7 +25,7 @@ def graph_capture_hook(
     start-up cache (:mod:`warmcap.graphs.startup_cache`)."""
     if ctx.config.model.enforce_eager:
         return None
-    from warmcap.engine import resolve_model_path
+    from warmcap.models.presets import resolve_model_path
 
     return capture_graphs(
         ctx.runner,

@@ -159,6 +159,15 @@ def build_preset(name: str, *, config_only: bool = False) -> Path:
     return _build_atomically(target, lambda tmp: write_tiny_model(name, tmp, config_only=config_only))
 
 
+def resolve_model_path(name: str) -> Path:
+    """The directory the engine loads ``name`` from: a local HF directory as given (one that
+    happens to share a preset's name included), else the preset of that name."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    return Path(resolve_model(name))
+
+
 def resolve_model(name_or_path: str | Path, *, config_only: bool = False) -> Path:
     """A preset name (built on first use) or an existing directory -> the model directory.
 
