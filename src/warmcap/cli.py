@@ -190,7 +190,7 @@ def _run_worker(*, quiet: bool, verbose: bool, timeout_s: float | None = None) -
 
     _one_of(quiet=quiet, verbose=verbose)
     configure_logging(err, log_level(quiet=quiet, verbose=verbose, default=INFO))
-    return run_launched_worker() if timeout_s is None else run_launched_worker(timeout_s=timeout_s)
+    return run_launched_worker(timeout_s=timeout_s)
 
 
 # ---- warmup plan ---------------------------------------------------------------------------------
@@ -694,7 +694,9 @@ def serve(
 @_user_errors
 def worker(
     timeout: float = typer.Option(
-        60.0, help="Seconds to wait for rank 0 to open the group, and for any one collective."
+        None,
+        help="Seconds to wait for rank 0 to open the group, and for any one collective "
+        "(default: the group's collective timeout, 60).",
     ),
     quiet: bool = _quiet_option(),
     verbose: bool = _verbose_option(),

@@ -27,7 +27,6 @@ import atexit
 import contextlib
 import functools
 import inspect
-import logging
 import pickle
 import threading
 import time
@@ -53,15 +52,13 @@ from warmcap.distributed.rendezvous import (
 from warmcap.distributed.spawn import POLL_S, RankFailedError
 from warmcap.distributed.tp_runner import TPModelRunner
 from warmcap.distributed.worker import worker_main
-from warmcap.distributed.workers import LaunchedWorkers, SpawnedWorkers, WorkerWatch
+from warmcap.distributed.workers import LaunchedWorkers, SpawnedWorkers, WorkerWatch, failure_from_report
 from warmcap.errors import ConfigError, WarmcapError
 
 if TYPE_CHECKING:
     from warmcap.graphs.report import RankRow
     from warmcap.startup_hooks import StartupContext, StartupHook
 
-
-logger = logging.getLogger("warmcap.distributed")
 
 #: how long workers told to stop get to leave on their own before they are terminated
 STOP_GRACE_S = 5.0
@@ -268,7 +265,11 @@ class TPExecutor:
         culprit: RankFailedError | None = None
         while culprit is None:
             report = self._workers.reported()
-            culprit = _reported(*report) if report is not None else self._death()
+            culprit = (
+                failure_from_report(*report)
+                if report is not None
+                else self._workers.death(joined=self._channel is not None)
+            )
             if culprit is not None or time.monotonic() >= end:
                 break
             time.sleep(POLL_S / 4)
@@ -281,19 +282,6 @@ class TPExecutor:
         assert error is not None
         return error
 
-    def _death(self) -> RankFailedError | None:
-        death = self._workers.death()
-        if death is not None and self._channel is None and isinstance(self._workers, SpawnedWorkers):
-            # Died before joining and reported nothing: most often the spawned process failed to
-            # import the script that started the engine.
-            return RankFailedError(
-                death.rank,
-                f"{str(death).partition(': ')[2]} while starting; workers are spawned processes that "
-                "import the main script, so a script that starts a tensor-parallel engine must do it "
-                'under if __name__ == "__main__":',
-            )
-        return death
-
     def _halt(self, grace_s: float = 0.0) -> None:
         # NOTE: once only: a late second call (the LLM's __del__ after shutdown()) must not leave
         # the group of another engine started in this process since.
@@ -305,9 +293,3 @@ class TPExecutor:
         self._channel = None
         with contextlib.suppress(Exception):
             atexit.unregister(self.shutdown)
-
-
-def _reported(rank: int, message: str, trace: str) -> RankFailedError:
-    """A worker's own error: its message in the exception, its traceback in the log."""
-    logger.error("tensor-parallel rank %d failed:\n%s", rank, trace)
-    return RankFailedError(rank, message)

@@ -49,10 +49,11 @@ def is_launched_worker() -> bool:
     return rank is not None and rank > 0
 
 
-def run_launched_worker(*, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> int:
+def run_launched_worker(*, timeout_s: float | None = None) -> int:
     """Be this process's rank (from ``RANK``) until rank 0 stops the engine; the exit status.
 
-    ``timeout_s`` bounds the wait for rank 0 to open the group and every collective.
+    ``timeout_s`` bounds the wait for rank 0 to open the group and every collective (default:
+    the group's collective timeout).
     Raises :class:`ConfigError` when the launch environment is missing or inconsistent, or names
     rank 0 (which runs the engine, not this).
     """
@@ -63,6 +64,8 @@ def run_launched_worker(*, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> i
             f"{'not set' if rank is None else '0'}; set RANK (and MASTER_ADDR, MASTER_PORT, WORLD_SIZE) "
             "as torchrun does, and run the engine's own command (e.g. `warmup serve -tp N`) as rank 0"
         )
+    if timeout_s is None:
+        timeout_s = DEFAULT_COLLECTIVE_TIMEOUT_S
     # The device type decides the backend; rank 0's device arrives with the launch command.
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     rendezvous = launched_rendezvous(device_type=device_type)

@@ -20,6 +20,7 @@ worker died, and stop them all.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue as queue_mod
 import threading
 import time
@@ -29,6 +30,8 @@ import torch.distributed as dist
 
 from warmcap.distributed.rendezvous import group_store
 from warmcap.distributed.spawn import POLL_S, RankFailedError, describe_exit, stop_processes
+
+logger = logging.getLogger("warmcap.distributed")
 
 #: how often a launched worker bumps its heartbeat counter
 HEARTBEAT_S = 0.25
@@ -56,8 +59,9 @@ class WorkerWatch(Protocol):
     def dead(self) -> int | None:
         """A worker known to be gone right now (cheap: called before every step), or None."""
 
-    def death(self) -> RankFailedError | None:
-        """The failure of a worker that died, if one did (may take :attr:`grace_s` to tell)."""
+    def death(self, *, joined: bool) -> RankFailedError | None:
+        """The failure of a worker that died, if one did (may take :attr:`grace_s` to tell);
+        ``joined``: the group had formed (a death before that is a failed start)."""
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Make sure every worker this watch can reach has ended."""
@@ -88,15 +92,22 @@ class SpawnedWorkers:
                 return rank
         return None
 
-    def death(self) -> RankFailedError | None:
+    def death(self, *, joined: bool) -> RankFailedError | None:
         rank = self.dead()
         if rank is None:
             return None
         # A worker that raised puts its error on the queue just before it exits.
         with contextlib.suppress(queue_mod.Empty, OSError, ValueError):
-            r, message, _trace = self.errors.get(timeout=POLL_S)
-            return RankFailedError(r, message)
-        return RankFailedError(rank, describe_exit(self.procs[rank - 1]))
+            return failure_from_report(*self.errors.get(timeout=POLL_S))
+        what = describe_exit(self.procs[rank - 1])
+        if not joined:
+            # Died before joining and reported nothing: most often the spawned process failed to
+            # import the script that started the engine.
+            what += (
+                " while starting; workers are spawned processes that import the main script, so a "
+                'script that starts a tensor-parallel engine must do it under if __name__ == "__main__":'
+            )
+        return RankFailedError(rank, what)
 
     def stop(self, grace_s: float = 0.0) -> None:
         stop_processes(self.procs, grace_s=grace_s)
@@ -137,7 +148,7 @@ class LaunchedWorkers:
         # round trip per rank, so a death is found when a collective fails instead.
         return None
 
-    def death(self) -> RankFailedError | None:
+    def death(self, *, joined: bool) -> RankFailedError | None:
         store = self._store()
         if store is None:
             return None
@@ -186,6 +197,12 @@ class Heartbeat:
                 self._store.add(self._key, 1)
             except Exception:
                 return  # rank 0's store is gone: the group is over
+
+
+def failure_from_report(rank: int, message: str, trace: str) -> RankFailedError:
+    """A worker's own error report: its message in the exception, its traceback in the log."""
+    logger.error("tensor-parallel rank %d failed:\n%s", rank, trace)
+    return RankFailedError(rank, message)
 
 
 def report_to_store(store: dist.Store, rank: int, message: str, trace: str) -> None:
