@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+# Spawned ranks and launched processes import this file outside pytest: they need the paged test
+# harness (tests/models) and what it imports from the tests' root (tests/paged_metadata.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 from paged_harness import PagedHarness

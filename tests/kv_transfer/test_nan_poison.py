@@ -5,7 +5,6 @@ null block and sink hold NaN and the same batch over clean pages. ``serve/poison
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_metadata import paged_metadata
 from warmcap.contracts import AttentionMetadata, MLAWeights
 from warmcap.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from warmcap.core.reservation import reserved_blocks, skipped_blocks
@@ -64,21 +64,7 @@ def _layout(
         qsl.append(qsl[-1] + (pad_tokens if p == pad_rows - 1 else 0))
         seq_lens.append(0)
     slots += [-1] * (qsl[-1] - num_real)
-    qsl_t = torch.tensor(qsl, dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_tokens=qsl[-1],
-        num_reqs=rows,
-        query_start_loc=qsl_t,
-        seq_lens=lens,
-        block_table=table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
-        max_seq_len=max(seq_lens),
-        block_size=BS,
-        query_start_loc_cpu=qsl_t,
-        seq_lens_cpu=lens,
-    )
+    meta = paged_metadata(qsl, seq_lens, table, torch.tensor(slots, dtype=torch.int64), BS)
     return Layout(meta, torch.tensor(real, dtype=torch.int64), num_real)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from warmcap.contracts import PAD_SLOT_ID, AttentionMetadata, ForwardContext
+from paged_metadata import paged_metadata
+from warmcap.contracts import PAD_SLOT_ID, ForwardContext
 from warmcap.core.kv_spec import KVSpec, group_layers
 from warmcap.core.reservation import reserved_blocks
 from warmcap.runner_v2.attention.context import StepContext
@@ -82,21 +82,7 @@ class PagedHarness:
             slots += [PAD_SLOT_ID] * extra
             qsl.append(qsl[-1] + extra)
             seq_lens.append(0)
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-        meta = AttentionMetadata(
-            num_tokens=len(ids),
-            num_reqs=r_total,
-            query_start_loc=qsl_t,
-            seq_lens=seq_t,
-            block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
-            max_seq_len=max(seq_lens),
-            block_size=BLOCK_SIZE,
-            query_start_loc_cpu=qsl_t,
-            seq_lens_cpu=seq_t,
-        )
+        meta = paged_metadata(qsl, seq_lens, table, torch.tensor(slots, dtype=torch.int64), BLOCK_SIZE)
         ctx = StepContext(
             attn_metadata={g.name: meta for g in self.groups},
             layer_to_group=self.layer_to_group,

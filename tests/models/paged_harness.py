@@ -6,13 +6,13 @@ Not a runner: no scheduler, no sampler. Each :meth:`PagedHarness.step` takes the
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from paged_metadata import paged_metadata
 from warmcap.contracts import AttentionMetadata
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, MambaSpec, group_layers
 from warmcap.core.reservation import reserved_blocks
@@ -128,21 +128,7 @@ class PagedHarness:
         for row, (req_id, _, _) in enumerate(batch):
             held = self.requests[req_id].blocks[name]
             table[row, : len(held)] = torch.tensor(held, dtype=torch.int32)
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
-        seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-        meta = AttentionMetadata(
-            num_tokens=qsl[-1],
-            num_reqs=len(batch),
-            query_start_loc=qsl_t,
-            seq_lens=seq_t,
-            block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_start_loc_cpu=qsl_t,
-            seq_lens_cpu=seq_t,
-        )
+        meta = paged_metadata(qsl, seq_lens, table, torch.tensor(slots, dtype=torch.int64), bs)
         return build_mamba_metadata(meta, plans) if isinstance(spec, MambaSpec) else meta
 
 

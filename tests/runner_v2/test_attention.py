@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_metadata import paged_metadata
 from warmcap.contracts import PAD_SLOT_ID, AttentionMetadata
 from warmcap.core.kv_spec import FullAttentionSpec, SlidingWindowSpec
 from warmcap.core.reservation import reserved_blocks, skipped_blocks
@@ -86,21 +86,7 @@ def make_batch(
     ks.append(torch.randn(extra, num_kv_heads, HEAD_DIM, generator=gen) * 100)
     vs.append(torch.randn(extra, num_kv_heads, HEAD_DIM, generator=gen) * 100)
     slots.append(torch.full((extra,), PAD_SLOT_ID))
-    qsl_t = torch.tensor(qsl, dtype=torch.int32)
-    seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_tokens=qsl[-1],
-        num_reqs=r_total,
-        query_start_loc=qsl_t,
-        seq_lens=seq_t,
-        block_table=table,
-        slot_mapping=torch.cat(slots).long(),
-        max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
-        max_seq_len=max(seq_lens),
-        block_size=BLOCK_SIZE,
-        query_start_loc_cpu=qsl_t,
-        seq_lens_cpu=seq_t,
-    )
+    meta = paged_metadata(qsl, seq_lens, table, torch.cat(slots).long(), BLOCK_SIZE)
     return Batch(meta, torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, rows, num_real, allocated)
 
 
