@@ -15,7 +15,15 @@ warmcap's in every round, and any difference is reported.
 vLLM runs in a process of its own with its own virtualenv's interpreter (``vllm_peer.py``;
 ``setup_vllm_cpu.sh`` creates ``.venv-vllm``). Its model threads are pinned to ``--threads`` cores
 with ``VLLM_CPU_OMP_THREADS_BIND``: by default vLLM keeps one core for its scheduler process, so
-without the pin the peers would not compute on the same number of model threads.
+without the pin the peers would not compute on the same number of model threads. Between its own
+runs its processes are stopped (SIGSTOP, SIGCONT before its next run): idle, they still take ~17 % of
+a core, which a peer timed meanwhile would pay.
+
+Prefix caching is each engine's default unless ``--no-prefix-caching`` (on in both: warmcap decides
+per model and turns it on here; vLLM's CPU build enables it for non-MLA models). The prompts share
+the chat template's 24-token system prefix; what each engine makes of that is part of its speed
+(warmcap's 16-token blocks share one block per prompt, registered as soon as the step that writes
+it is scheduled; vLLM's CPU build uses 128-token blocks, which this prefix never fills).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -66,6 +75,7 @@ def warmcap_runner(
     eager: bool = False,
     packed: bool = True,
     grouped: bool = True,
+    prefix_caching: bool = True,
     **_: object,
 ) -> Runner:
     from warmcap.llm import LLM
@@ -79,7 +89,8 @@ def warmcap_runner(
         max_num_seqs=len(ids),
         max_num_batched_tokens=max(512, sum(len(p) for p in ids)),
         max_model_len=longest + 16,
-        enable_prefix_caching=False,
+        # None: warmcap's own default (on wherever every KV group can serve hits)
+        enable_prefix_caching=None if prefix_caching else False,
         batch_invariant=batch_invariant,
         enforce_eager=eager,
     )
@@ -92,7 +103,13 @@ def warmcap_runner(
         prepack_linears(llm.engine.model, groups=False)
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return lambda: [o.token_ids for o in llm.generate(ids, params)]
+
+    def run() -> list[list[int]]:
+        # Every timed run starts from an empty prefix cache: hits come only from within the run.
+        llm.engine.kv_cache_manager.reset_prefix_cache()
+        return [o.token_ids for o in llm.generate(ids, params)]
+
+    return run
 
 
 def hf_generate_runner(path: Path, ids: list[list[int]], max_tokens: int, **_: object) -> Runner:
@@ -150,6 +167,7 @@ class VllmPeer:
         eager: bool = False,
         threads: int = 1,
         vllm_python: Path = DEFAULT_VLLM_PYTHON,
+        prefix_caching: bool = True,
         **_: object,
     ) -> None:
         if not Path(vllm_python).is_file():
@@ -168,6 +186,9 @@ class VllmPeer:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            # its own process group: the engine core and worker processes it starts are stopped and
+            # continued with it (``pause``/``resume``)
+            start_new_session=True,
         )
         setup = {
             "model": str(path),
@@ -175,9 +196,20 @@ class VllmPeer:
             "max_tokens": max_tokens,
             "max_model_len": max(len(p) for p in ids) + max_tokens + 16,
             "enforce_eager": eager,
+            "enable_prefix_caching": prefix_caching,
         }
         self._send(json.dumps(setup))
         self._read("@@READY")
+        self.pause()
+
+    def pause(self) -> None:
+        """Stop every process of the peer so that its idle polling costs the other peers nothing."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def _send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -192,12 +224,17 @@ class VllmPeer:
         sys.exit(f"the vLLM peer exited ({self.proc.wait()}) before {marker}: see its log above")
 
     def __call__(self) -> list[list[int]]:
-        self._send("run")
-        result = json.loads(self._read("@@RESULT"))
+        self.resume()
+        try:
+            self._send("run")
+            result = json.loads(self._read("@@RESULT"))
+        finally:
+            self.pause()
         # The peer's own timing excludes the pipe; the caller's clock includes it (a few ms).
         return result["token_ids"]
 
     def close(self) -> None:
+        self.resume()
         if self.proc.poll() is None:
             self._send("stop")
             self.proc.wait(timeout=60)
@@ -226,6 +263,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="no graphs in warmcap, no torch.compile in vLLM")
     parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each engine's default prefix caching (on in both); --no-prefix-caching turns it off in both",
+    )
+    parser.add_argument(
         "--vllm-python",
         type=Path,
         default=Path(os.environ.get("WARMCAP_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON),
@@ -251,11 +294,17 @@ def main() -> None:
         f"chat template {'on' if args.chat else 'off'}) x {args.max_tokens} new tokens, greedy, ignore_eos"
     )
     print(
-        f"model threads per peer: {args.threads}; {'eager' if args.eager else 'default (graphs / compile)'}"
+        f"model threads per peer: {args.threads}; {'eager' if args.eager else 'default (graphs / compile)'}; "
+        f"prefix caching {'at each engine default (on)' if args.prefix_caching else 'off'}"
     )
 
     names = args.peers.split(",")
-    extra = {"eager": args.eager, "threads": args.threads, "vllm_python": args.vllm_python}
+    extra = {
+        "eager": args.eager,
+        "threads": args.threads,
+        "vllm_python": args.vllm_python,
+        "prefix_caching": args.prefix_caching,
+    }
     runners = {name: PEERS[name](path, ids, args.max_tokens, **extra) for name in names}
     best: dict[str, float] = {}
     outputs: dict[str, list[list[int]]] = {}

@@ -2,7 +2,8 @@
 interpreter of vLLM's virtualenv (``benchmarks/setup_vllm_cpu.sh`` creates ``.venv-vllm``).
 
 It never imports warmcap. Protocol over stdin/stdout: the first stdin line is a JSON setup
-(``model``, ``prompt_ids``, ``max_tokens``, ``max_model_len``, ``enforce_eager``); after start-up
+(``model``, ``prompt_ids``, ``max_tokens``, ``max_model_len``, ``enforce_eager``,
+``enable_prefix_caching``); after start-up
 and a short warm-up request it prints ``@@READY``; then for each ``run`` line it generates once
 (greedy, ``ignore_eos``) and prints ``@@RESULT {"seconds": ..., "token_ids": [[...], ...]}``.
 Other stdout lines (vLLM's own log) are ignored by the reader.
@@ -30,7 +31,8 @@ def main() -> None:
         enforce_eager=setup["enforce_eager"],
         max_model_len=setup["max_model_len"],
         max_num_seqs=len(prompts),
-        enable_prefix_caching=False,
+        # the caller's choice; True is vLLM's own default for this model
+        enable_prefix_caching=setup.get("enable_prefix_caching", False),
         seed=0,
     )
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -40,6 +42,8 @@ def main() -> None:
     for line in sys.stdin:
         if line.strip() != "run":
             break
+        # Every timed run starts from an empty prefix cache: hits come only from within the run.
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
