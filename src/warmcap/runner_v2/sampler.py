@@ -27,7 +27,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or cols < 4 * _ARGMAX_BLOCK:
         return x.argmax(dim=-1)
     whole = cols - cols % _ARGMAX_BLOCK
-    block_max = x[:, :whole].view(rows, -1, _ARGMAX_BLOCK).amax(dim=-1)
+    block_max = x[:, :whole].reshape(rows, -1, _ARGMAX_BLOCK).amax(dim=-1)
     if whole < cols:
         block_max = torch.cat((block_max, x[:, whole:].amax(dim=-1, keepdim=True)), dim=1)
     start = block_max.argmax(dim=-1, keepdim=True) * _ARGMAX_BLOCK
