@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from warmcap.errors import ModelLoadError
-from warmcap.models.rope import RotaryEmbedding
+from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 MAX_POS = 64
 POSITIONS = torch.tensor([0, 1, 7, 31, 63])
@@ -50,6 +50,22 @@ LLAMA_ROPES = {
     },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
 }
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 16])
+def test_apply_rope_is_transformers_rotation_bit_for_bit(rotary_dim: int) -> None:
+    """The rotation itself equals transformers' ``apply_rotary_pos_emb`` exactly, on a full head and
+    on the leading slice a partial-rotary layer passes (not contiguous)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(7, 5, 64, generator=gen), torch.randn(7, 2, 64, generator=gen)
+    ours = RotaryEmbedding.from_config(llama_config({"rope_type": "default"}), rotary_dim)
+    cos, sin = ours.cos_sin(torch.arange(3, 10), torch.float32)
+    q_part, k_part = q[..., :rotary_dim], k[..., :rotary_dim]
+    ref_q, ref_k = apply_rotary_pos_emb(q_part, k_part, cos, sin, unsqueeze_dim=1)
+    assert torch.equal(apply_rope(q_part, cos, sin), ref_q)
+    assert torch.equal(apply_rope(k_part, cos, sin), ref_k)
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA_ROPES))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from warmcap.runner_v2.sampler import Sampler, SamplingMetadata
+from warmcap.runner_v2.sampler import Sampler, SamplingMetadata, row_argmax
 
 
 def _meta(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None):
@@ -26,6 +28,32 @@ def _gen(seed: int) -> torch.Generator:
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(6, 50)
     assert torch.equal(Sampler()(logits, _meta(6, temperature=0.0)), logits.argmax(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    cols=st.sampled_from([3, 4095, 4096, 5000, 8192, 49152, 49153]),
+    seed=st.integers(0, 2**31 - 1),
+    specials=st.lists(
+        st.tuples(st.integers(0, 4), st.floats(0, 1), st.sampled_from(["max", "nan", "inf", "-inf", "tie"])),
+        max_size=8,
+    ),
+)
+def test_row_argmax_equals_argmax(rows: int, cols: int, seed: int, specials: list) -> None:
+    """The blocked CPU argmax picks argmax's index: the first maximum (ties across and inside
+    blocks, the short last block), NaN counted as the maximum, rows that are all -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen)
+    for row, where, kind in specials:
+        row, col = row % rows, min(int(where * cols), cols - 1)
+        if kind == "tie":
+            x[row, col] = x[row, -1] = x[row].max() + 1
+        elif kind == "-inf":
+            x[row] = float("-inf")
+        else:
+            x[row, col] = {"max": 1e4, "nan": float("nan"), "inf": float("inf")}[kind]
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
 
 
 def test_greedy_rows_stay_argmax_in_a_mixed_batch() -> None:

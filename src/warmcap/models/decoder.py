@@ -64,13 +64,16 @@ class PreNormDecoderLayer(nn.Module):
         return getattr(self, self._post_norm_name)
 
     def mix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.mixer(x, cos, sin, ctx)
+        return self._modules[self._mixer_name](x, cos, sin, ctx)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        h = h + self.mix(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.ffn(self.post_norm(h))
+        # Parts by their registered names straight from ``_modules``: this runs once per layer and
+        # token step, and ``nn.Module.__getattr__`` behind the properties costs more than the dict.
+        parts = self._modules
+        h = h + self.mix(parts["input_layernorm"](h), cos, sin, ctx)
+        return h + parts[self._mlp_name](parts[self._post_norm_name](h))
 
 
 def run_decoder_layers(

@@ -74,7 +74,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = packed_group(self.gate_proj, self.up_proj)
         gate, up = (self.gate_proj(x), self.up_proj(x)) if group is None else group(x)
-        return self.down_proj(self.act(gate) * up)
+        # The activation's output is fresh: the product goes into it (one temporary, not two).
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,5 +151,8 @@ class RotaryEmbedding:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by cos/sin [T, D] (rotate-half pairing: i with i + D/2)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    # rotate_half(x) is x rolled by half with its first half negated; negating in place in the
+    # fresh rolled tensor and accumulating there saves two temporaries (bit for bit the same sums).
+    rotated = x.roll(half, -1)
+    rotated[..., :half].neg_()
+    return rotated.mul_(sin[:, None, :]).add_(x * cos[:, None, :])

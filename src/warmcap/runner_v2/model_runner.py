@@ -30,7 +30,7 @@ from warmcap.runner_v2.kv_cache import KVCaches
 from warmcap.runner_v2.kv_writes import KVWriteLog
 from warmcap.runner_v2.mamba_state import MambaStates
 from warmcap.runner_v2.rejection import greedy_verify, probabilistic_verify
-from warmcap.runner_v2.sampler import Sampler, SamplingMetadata
+from warmcap.runner_v2.sampler import Sampler, SamplingMetadata, row_argmax
 from warmcap.runner_v2.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
@@ -399,7 +399,7 @@ class ModelRunner:
         if not any(drafts):
             produced = [[t] for t in self.sampler(logits, meta).tolist()]
         elif meta.all_greedy:
-            produced = greedy_verify(logits.argmax(dim=-1), drafts)
+            produced = greedy_verify(row_argmax(logits), drafts)
         else:
             produced = self._verify_random(logits, meta, step, drafts)
         it = iter(produced)
@@ -411,7 +411,7 @@ class ModelRunner:
         """Speculative sampling over the processed target distribution (greedy rows one-hot)."""
         probs = self.sampler.probs(logits, meta)
         greedy = (meta.temperature <= 0).to(probs.device)
-        one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), probs.shape[1]).to(probs.dtype)
+        one_hot = torch.nn.functional.one_hot(row_argmax(logits), probs.shape[1]).to(probs.dtype)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         rows = step.rows[step.num_logits > 0].tolist()
         req_ids = [r for r, n in zip(step.req_ids, step.num_logits.tolist(), strict=True) if n]

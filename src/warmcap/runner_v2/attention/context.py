@@ -30,6 +30,11 @@ class StepContext:
     group_kinds: Mapping[str, str]
     aux_hidden_state_layers: tuple[int, ...] = ()
     aux_hidden_states: list[torch.Tensor] = field(default_factory=list)
+    #: group -> (its attention backend, its metadata), resolved by the group's first layer: every
+    #: layer calls :meth:`attention`, and the registry's interface check need not run per layer.
+    _attention_groups: dict[str, tuple[AttentionBackend, AttentionMetadata]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def metadata(self, layer_name: str) -> AttentionMetadata:
         return self.attn_metadata[self.layer_to_group[layer_name]]
@@ -47,12 +52,12 @@ class StepContext:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return self.backend(layer_name, AttentionBackend).forward(
-            q,
-            k,
-            v,
-            self.kv_caches[layer_name],
-            self.metadata(layer_name),
-            scale=scale,
-            sliding_window=sliding_window,
+        group = self.layer_to_group[layer_name]
+        resolved = self._attention_groups.get(group)
+        if resolved is None:
+            backend = self.backends.get(self.group_kinds[group], AttentionBackend)
+            resolved = self._attention_groups[group] = (backend, self.attn_metadata[group])
+        backend, meta = resolved
+        return backend.forward(
+            q, k, v, self.kv_caches[layer_name], meta, scale=scale, sliding_window=sliding_window
         )

@@ -24,13 +24,23 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Write k/v [T, Hkv, D] through ``slot_mapping`` [T]; PAD (-1) goes to the sink block.
 
     NOTE: ``kv_cache`` is ``[2, num_blocks + 1, block_size, Hkv, D]``; the last block is the sink.
+    """
+    write_kv_slots(kv_cache, k, v, sink_slots(slot_mapping[: k.shape[0]], kv_cache))
+
+
+def sink_slots(slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """``slot_mapping`` with PAD (-1) redirected to the first slot of ``kv_cache``'s sink block.
+
     ``torch.where`` instead of boolean indexing keeps the write static-shape (graph-safe).
     """
-    t = k.shape[0]
-    _, blocks, block_size, heads, dim = kv_cache.shape
+    _, blocks, block_size, _, _ = kv_cache.shape
     sink = (blocks - 1) * block_size
-    slots = slot_mapping[:t]
-    slots = torch.where(slots >= 0, slots, torch.full_like(slots, sink))
+    return torch.where(slot_mapping >= 0, slot_mapping, torch.full_like(slot_mapping, sink))
+
+
+def write_kv_slots(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] at ``slots`` [T], which :func:`sink_slots` made non-negative."""
+    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
     kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k.to(kv_cache.dtype))
     kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v.to(kv_cache.dtype))
 
@@ -73,28 +83,34 @@ class MetaStamp:
 
     @staticmethod
     def _parts(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
-        return (meta.query_start_loc, meta.seq_lens, meta.block_table)
+        return (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping)
+
+    @staticmethod
+    def _scalars(meta: AttentionMetadata) -> tuple[int, ...]:
+        return (meta.num_tokens, meta.num_reqs, meta.max_query_len, meta.max_seq_len, meta.block_size)
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> MetaStamp:
         parts = cls._parts(meta)
-        scalars = (meta.num_tokens, meta.num_reqs, meta.max_query_len, meta.max_seq_len, meta.block_size)
         ids = tuple(id(x) for x in parts)
         if any(x.is_inference() for x in parts):
-            return cls(scalars, ids, None, tuple(x.clone() for x in parts))
-        return cls(scalars, ids, tuple(x._version for x in parts), None)
+            return cls(cls._scalars(meta), ids, None, tuple(x.clone() for x in parts))
+        return cls(cls._scalars(meta), ids, tuple(x._version for x in parts), None)
 
     def matches(self, meta: AttentionMetadata) -> bool:
-        now = MetaStamp.of(meta)
-        if (now.scalars, now.ids) != (self.scalars, self.ids):
+        # NOTE: called by every layer of a step, so the common case (same tensors, unwritten)
+        # returns after the cheapest checks. Same ids mean the same live tensors (``meta`` holds
+        # them), so whether they track versions is as when the stamp was taken.
+        parts = self._parts(meta)
+        if tuple(id(x) for x in parts) != self.ids or self._scalars(meta) != self.scalars:
             return False
+        if self.versions is not None and tuple(x._version for x in parts) == self.versions:
+            return True
         if _capturing():
             return True
-        if self.versions is not None and now.versions is not None:
-            return self.versions == now.versions
-        if self.contents is None or now.contents is None:
+        if self.contents is None:
             return False
-        return all(torch.equal(a, b) for a, b in zip(self.contents, now.contents, strict=True))
+        return all(torch.equal(a, b) for a, b in zip(self.contents, parts, strict=True))
 
 
 @dataclass(slots=True)
@@ -108,8 +124,8 @@ class StepPlan:
     query_index: torch.Tensor
     #: [T] padded query slot of each token
     out_index: torch.Tensor
-    #: [T, 1, 1] the token's output is real (else zero)
-    token_valid: torch.Tensor
+    #: [T, 1, 1] the token's output is padding (zeroed)
+    token_invalid: torch.Tensor
     #: [R, Q, 1] position of each padded query slot, -1 for slots past the row's query length
     query_pos: torch.Tensor
     key_pos: torch.Tensor
@@ -118,6 +134,19 @@ class StepPlan:
     first_query_pos: torch.Tensor
     masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     slots: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    #: the step's slot mapping with PAD sent to the sink, by the sink's first slot
+    sinked: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def write_slots(self, kv_cache: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """[T] where the step's tokens are written in ``kv_cache`` (:func:`sink_slots`), derived
+        once per step instead of once per layer (every layer of a group has the same sink)."""
+        _, blocks, block_size, _, _ = kv_cache.shape
+        cached = self.sinked.get(blocks * block_size)
+        if cached is None:
+            cached = self.sinked[blocks * block_size] = sink_slots(
+                self.meta.slot_mapping[:num_tokens], kv_cache
+            )
+        return cached
 
     def key_slots(self, window: int | None) -> torch.Tensor:
         """[R * K] the cache slot each row's key position ``0 .. K - 1`` is gathered from.
@@ -188,7 +217,7 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
         max_query_len=q,
         query_index=query_index,
         out_index=out_index,
-        token_valid=valid[:, None, None],
+        token_invalid=~valid[:, None, None],
         query_pos=query_pos[:, :, None],
         key_pos=torch.arange(cols * bs, device=device)[None, None, :],
         seq_len=seq[:, None, None],
@@ -244,11 +273,12 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
         t, hq, d = q.shape
         if t == 0 or meta.num_reqs == 0:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
             return torch.zeros_like(q)
         plan = self._plan_for(meta, t)
+        write_kv_slots(kv_cache, k, v, plan.write_slots(kv_cache, t))
         r, qmax = meta.num_reqs, plan.max_query_len
         hkv = kv_cache.shape[3]
         group = hq // hkv
@@ -266,7 +296,7 @@ class TorchPagedAttention(AttentionBackend):
             queries = q.index_select(0, plan.query_index).view(r, qmax, hkv, group, d)
             queries = queries.permute(0, 2, 3, 1, 4).reshape(r, hkv, group * qmax, d)
         out = F.scaled_dot_product_attention(
-            queries.to(keys.dtype),
+            queries if queries.dtype == keys.dtype else queries.to(keys.dtype),
             keys,
             values,
             attn_mask=plan.mask(sliding_window, group, keys.dtype),
@@ -277,6 +307,6 @@ class TorchPagedAttention(AttentionBackend):
         else:
             out = out.view(r, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(r * qmax, hq, d)
             out = out.index_select(0, plan.out_index)
-        return torch.where(plan.token_valid, out, torch.zeros((), dtype=out.dtype, device=out.device)).to(
-            q.dtype
-        )
+        # SDPA's output is fresh: padded tokens are zeroed in place.
+        out.masked_fill_(plan.token_invalid, 0.0)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
