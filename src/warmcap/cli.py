@@ -60,7 +60,40 @@ def root(
 
 def main() -> None:
     """Console-script entry point."""
-    sys.exit(app())
+    try:
+        code = app()
+    except SystemExit as exc:
+        code = exc.code
+    _exit(code)
+
+
+def _exit(code: object) -> None:
+    """End the process with ``code`` once the command is done, skipping the interpreter's teardown.
+
+    Tearing down torch, transformers and a loaded engine module by module takes about a second
+    (measured in BENCHMARKS.md, "Start-up, 2026-12-03, part 2") and frees nothing the operating
+    system does not free at exit anyway. Exit handlers still run and the standard streams are
+    flushed; a command that left threads running, an exit code that is not a number or a stream
+    that cannot be flushed takes the ordinary exit.
+    """
+    import atexit
+    import os
+    import threading
+
+    if code is None:
+        code = 0
+    if not isinstance(code, int) or threading.active_count() > 1:
+        sys.exit(code)
+    # NOTE: os._exit skips whatever the interpreter would do after the exit handlers (module
+    # teardown, __del__ of what is still alive): nothing warmcap relies on at exit lives there.
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        # A closed pipe (e.g. `| head`): the ordinary exit reports it as it always did.
+        sys.exit(code)
+    os._exit(code)
 
 
 # ---- shared options ------------------------------------------------------------------------------

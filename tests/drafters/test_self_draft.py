@@ -17,3 +17,16 @@ def test_self_drafting_accepts_everything(k: int) -> None:
     assert m.num_drafts > 0
     assert m.acceptance_length == 1 + k
     assert m.per_position_rates == [1.0] * k
+
+
+def test_self_drafting_shares_the_targets_loaded_module_and_a_named_checkpoint_does_not(tmp_path) -> None:
+    """The target drafting for itself reuses its loaded (and packed) module instead of loading the
+    checkpoint a second time; a draft model named by path is still loaded on its own."""
+    from warmcap.models.presets import resolve_model
+
+    rig = SpecRig(spec="draft_model:2", record=False)
+    assert rig.drafter.model is rig.model
+    # Its KV still lives in groups of its own.
+    assert any(g.name.startswith("draft.") for g in rig.engine.kv_groups)
+    named = SpecRig(spec=f"draft_model:2@{resolve_model('tiny-llama')}", record=False)
+    assert named.drafter.model is not named.model

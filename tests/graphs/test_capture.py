@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import jsonschema
 import pytest
@@ -91,6 +92,27 @@ def test_verification_catches_padding_that_writes_into_a_real_block() -> None:
     checks = verify_graphs(capturer, result.graphs, rig.manager)
     assert not all(c.verified for c in checks)
     assert any(c.real_rows_max_abs_diff > 1e-3 for c in checks)
+
+
+def test_static_capture_runs_each_shape_once_and_still_replays_like_eager() -> None:
+    rig = make_rig(k=1)
+    # Without the CUDA-safety trace, which runs the largest forward of each phase on fake tensors.
+    capturer = GraphCapturer(rig.runner, "static", capture_sizes=[1, 2, 4], check_cuda_safety=False)
+    calls: Counter[str] = Counter()
+    for subject in capturer.subjects.values():
+        honest_forward = subject.forward
+
+        def counted(spec, metas, honest_forward=honest_forward):
+            calls[spec.label] += 1
+            return honest_forward(spec, metas)
+
+        subject.forward = counted
+    result = capturer.capture()
+    # The eager pass is the capture: no second forward over the same all-padding inputs.
+    assert calls == {g.spec.label: 1 for g in result.graphs}
+    assert len({g.output.data_ptr() for g in result.graphs}) == len(result.graphs)
+    checks = verify_graphs(capturer, result.graphs, rig.manager)
+    assert checks and all(c.verified and c.max_abs_diff == 0.0 for c in checks)
 
 
 def test_cuda_backend_is_refused_without_a_cuda_runner() -> None:

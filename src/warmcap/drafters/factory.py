@@ -166,6 +166,11 @@ def _draft_lm(config: EngineConfig, target: nn.Module, spec_model: str | None) -
     from warmcap.models.loader import load_model
     from warmcap.models.presets import resolve_model
 
+    if spec_model in (None, "self") and config.tensor_parallel_size == 1:
+        # The target drafts for itself: its module is already loaded and packed, and the drafter
+        # runs it over its own draft.-prefixed KV groups, so a second copy would only cost a load.
+        # (Under tensor parallelism the target is a shard and the drafter must be whole.)
+        return target
     name = spec_model if spec_model not in (None, "self") else config.model.model
     device = next(target.parameters()).device
     planning = device.type == "meta"

@@ -21,7 +21,9 @@ Backends:
   ``torch.cuda.is_available()`` and a runner on a CUDA device.
 - ``static``: the same code path over the same static buffers without recording; replay runs the
   eager forward on the static buffers and copies into the graph's static outputs. It proves the
-  padding and buffer handling on any machine, not CUDA-graph speed.
+  padding and buffer handling on any machine, not CUDA-graph speed. Recording nothing, its capture
+  would be a second forward over the inputs of the eager pass: the graph keeps the outputs of
+  that pass as its static outputs instead (one forward per shape, not two).
 - ``compile``: ``torch.compile`` of the forward per shape over the static buffers (no graph).
 """
 
@@ -165,15 +167,18 @@ class GraphCapturer:
             self.plan, [], notes=[*self.plan.notes, *self.draft_plan.notes], draft_plan=self.draft_plan
         )
         specs = [*self.plan.specs, *self.draft_plan.specs]
+        eager_outputs: dict[str, Outputs] = {}
         for spec in specs:
             self.load(spec)
-            self.eager(spec, self.metadata(spec))
+            outputs = self.forward(spec, self.metadata(spec))
+            if self.backend == "static":
+                eager_outputs[spec.label] = outputs
             result.order.append(("eager", spec.label))
         self._sync()
         checked: set[str] = set()
         for group in (self.plan.specs, self.draft_plan.specs):
             for spec in sorted(group, key=lambda s: (s.num_tokens, s.rows), reverse=True):
-                graph = self._capture_one(spec)
+                graph = self._capture_one(spec, eager_outputs.pop(spec.label, None))
                 if self.check_cuda_safety and spec.phase not in checked:
                     # The code path depends on the phase, not the size: the largest graph stands for it.
                     checked.add(spec.phase)
@@ -200,7 +205,9 @@ class GraphCapturer:
             return safety
         return replace(safety, reason=f"{safety.reason}; the cuda plan runs this phase eagerly")
 
-    def _capture_one(self, spec: GraphSpec) -> CapturedGraph:
+    def _capture_one(self, spec: GraphSpec, eager_outputs: Outputs | None = None) -> CapturedGraph:
+        """Capture ``spec``; ``eager_outputs`` (``static`` only): its eager pass's outputs, kept as
+        the static outputs instead of running the same forward again."""
         runner = self.runner
         self.load(spec)
         metas = self.metadata(spec)
@@ -226,7 +233,10 @@ class GraphCapturer:
         else:
             forward = self._compiled(spec, metas) if self.backend == "compile" else None
             backend.prepare_for_capture(metas)
-            output, aux = forward() if forward is not None else self.forward(spec, metas)
+            if eager_outputs is not None:
+                output, aux = eager_outputs
+            else:
+                output, aux = forward() if forward is not None else self.forward(spec, metas)
             memory = sum(t.numel() * t.element_size() for t in (output, *aux))
 
             def replay() -> None:

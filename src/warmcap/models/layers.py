@@ -163,6 +163,11 @@ def row_linear(in_features: int, out_features: int, start: int, size: int, *, bi
 def vocab_embedding(vocab_size: int, hidden: int) -> nn.Embedding:
     """A plain ``nn.Embedding`` on one rank, else a :class:`VocabParallelEmbedding`."""
     if not parallel_state().is_parallel:
+        weight = torch.empty(vocab_size, hidden)
+        if weight.is_meta:
+            # NOTE: a meta tensor has no values to initialise, and nn.Embedding's normal_ init on
+            # one runs through torch._refs, which imports torch._dynamo (~0.8 s of every start).
+            return nn.Embedding(vocab_size, hidden, _weight=weight)
         return nn.Embedding(vocab_size, hidden)
     return VocabParallelEmbedding(vocab_size, hidden)
 
