@@ -144,10 +144,6 @@ class GraphCapturer:
         entries in place (plain entries become static ones: keep the returned dict)."""
         return self.subject(spec).refresh(spec, metas)
 
-    def eager(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> torch.Tensor:
-        """The eager forward over the loaded static buffers with ``spec``'s fixed metadata."""
-        return self.forward(spec, metas)[0]
-
     def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
         """Output and auxiliary outputs of one eager pass over the loaded static buffers."""
         return self.subject(spec).forward(spec, metas)
