@@ -21,25 +21,29 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 
 import torch
-from bench_throughput import DEFAULT_PROMPTS, load_prompts, prompt_ids
+from bench_throughput import DEFAULT_PROMPTS, load_prompts, prompt_ids, warmcap_llm
 
 
-def linears_of(model: torch.nn.Module) -> list:
-    """Per layer, the callables warmcap's forward multiplies by, in order (groups where packed)."""
+def linears_of(model: torch.nn.Module) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """Per layer, the products warmcap's forward computes, in order (one per group where packed),
+    each with the width of the input it reads."""
     from warmcap.models.packed_linear import packed_group
 
-    calls: list = []
+    plan: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = packed_group(attn.q_proj, attn.k_proj, attn.v_proj)
-        calls += [qkv.product] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
-        calls.append(attn.o_proj)
+        qkv_calls = [qkv.product] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        plan += [(call, attn.q_proj.in_features) for call in qkv_calls]
+        plan.append((attn.o_proj, attn.o_proj.in_features))
         gate_up = packed_group(mlp.gate_proj, mlp.up_proj)
-        calls += [gate_up.product] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
-        calls.append(mlp.down_proj)
-    return calls
+        gate_up_calls = [gate_up.product] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+        plan += [(call, mlp.gate_proj.in_features) for call in gate_up_calls]
+        plan.append((mlp.down_proj, mlp.down_proj.in_features))
+    return plan
 
 
 def main() -> None:
@@ -58,29 +62,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from warmcap.llm import LLM
     from warmcap.models.loader import load_tokenizer
     from warmcap.models.presets import resolve_model
     from warmcap.sampling_params import SamplingParams
 
     path = resolve_model(args.model)
     ids = prompt_ids(load_tokenizer(path), load_prompts(DEFAULT_PROMPTS, args.num_prompts), chat=True)
-    llm = LLM(
-        str(path),
-        device="cpu",
-        max_num_seqs=len(ids),
-        max_num_batched_tokens=max(512, sum(map(len, ids))),
-        max_model_len=max(map(len, ids)) + args.max_tokens + 16,
-        enable_prefix_caching=None if args.prefix_caching else False,
-        enforce_eager=True,
-    )
+    llm = warmcap_llm(path, ids, args.max_tokens, eager=True, prefix_caching=args.prefix_caching)
     # The prefill's size as warmcap schedules it: every prompt token the prefix cache does not serve.
     llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     hits = llm.engine.kv_cache_manager.stats.prefix_cache_hits
     prefill_rows = sum(map(len, ids)) - hits
     model = llm.engine.model
     hidden = model.lm_head.in_features
-    intermediate = model.model.layers[0].mlp.down_proj.in_features
     steps = [prefill_rows] + [len(ids)] * (args.max_tokens - 1)
 
     # One input per width and row count, made once: the timed loop is the GEMMs alone.
@@ -92,11 +86,7 @@ def main() -> None:
             inputs[key] = torch.randn(rows, width)
         return inputs[key]
 
-    # down_proj reads the intermediate activations; everything else reads the hidden state.
-    downs = {id(layer.mlp.down_proj) for layer in model.model.layers}
-    plan = [
-        (c, intermediate if id(getattr(c, "__self__", c)) in downs else hidden) for c in linears_of(model)
-    ]
+    plan = linears_of(model)
 
     print(
         f"model {args.model}: {len(ids)} prompts, {sum(map(len, ids))} prompt tokens, "

@@ -66,6 +66,31 @@ def prompt_ids(tokenizer, prompts: list[str], *, chat: bool) -> list[list[int]]:
 Runner = Callable[[], list[list[int]]]
 
 
+def warmcap_llm(
+    path: Path,
+    ids: list[list[int]],
+    max_tokens: int,
+    *,
+    batch_invariant: bool = False,
+    eager: bool = False,
+    prefix_caching: bool = True,
+):
+    """warmcap's ``LLM`` as this benchmark configures it: every prompt in one step and one batch."""
+    from warmcap.llm import LLM
+
+    return LLM(
+        str(path),
+        device="cpu",
+        max_num_seqs=len(ids),
+        max_num_batched_tokens=max(512, sum(len(p) for p in ids)),
+        max_model_len=max(len(p) for p in ids) + max_tokens + 16,
+        # None: warmcap's own default (on wherever every KV group can serve hits)
+        enable_prefix_caching=None if prefix_caching else False,
+        batch_invariant=batch_invariant,
+        enforce_eager=eager,
+    )
+
+
 def warmcap_runner(
     path: Path,
     ids: list[list[int]],
@@ -78,21 +103,11 @@ def warmcap_runner(
     prefix_caching: bool = True,
     **_: object,
 ) -> Runner:
-    from warmcap.llm import LLM
     from warmcap.models.packed_linear import prepack_linears, unpack_linears
     from warmcap.sampling_params import SamplingParams
 
-    longest = max(len(p) for p in ids) + max_tokens
-    llm = LLM(
-        str(path),
-        device="cpu",
-        max_num_seqs=len(ids),
-        max_num_batched_tokens=max(512, sum(len(p) for p in ids)),
-        max_model_len=longest + 16,
-        # None: warmcap's own default (on wherever every KV group can serve hits)
-        enable_prefix_caching=None if prefix_caching else False,
-        batch_invariant=batch_invariant,
-        enforce_eager=eager,
+    llm = warmcap_llm(
+        path, ids, max_tokens, batch_invariant=batch_invariant, eager=eager, prefix_caching=prefix_caching
     )
     if not packed:
         # The peer for models/packed_linear.py: the same engine on plain F.linear.
