@@ -19,6 +19,7 @@ from warmcap.graphs import startup_cache
 from warmcap.graphs.diff import diff_reports
 from warmcap.graphs.report import CaptureReport, schema_problem
 from warmcap.graphs.startup import GraphStartup, capture_graphs
+from warmcap.graphs.verify import verify_graphs
 
 WEIGHTS_BYTES = 2 << 20  # above the content-hash limit: keyed by size and mtime
 
@@ -88,6 +89,46 @@ def test_a_warm_start_takes_verdicts_from_the_cache_and_reports_the_same_graphs(
         cold.report(model="tiny", device="cpu"), report, time_tolerance=1e9, memory_tolerance=1e9
     )
     assert not diff.has_regressions, diff
+
+
+def test_a_warm_static_capture_runs_no_forward_and_every_graph_still_replays_like_eager(
+    cache_dir, model_dir, monkeypatch
+) -> None:
+    """``static`` records nothing: with every output layout cached, a warm capture only allocates
+    the static outputs; replays fill them exactly as the cold start's did."""
+    cold = start(cache_dir, model_dir)
+    assert {kind for kind, _ in cold.result.order} == {"eager", "capture"}
+    forwards = {"during_capture": 0}
+    capturing = {"now": False}
+    real_forward, real_capture = capture_module.GraphCapturer.forward, capture_module.GraphCapturer.capture
+
+    def counted_forward(self, spec, metas):
+        forwards["during_capture"] += capturing["now"]
+        return real_forward(self, spec, metas)
+
+    def flagged_capture(self, *args, **kwargs):
+        capturing["now"] = True
+        try:
+            return real_capture(self, *args, **kwargs)
+        finally:
+            capturing["now"] = False
+
+    monkeypatch.setattr(capture_module.GraphCapturer, "forward", counted_forward)
+    monkeypatch.setattr(capture_module.GraphCapturer, "capture", flagged_capture)
+    rig = make_rig(k=1)
+    warm = capture_graphs(
+        rig.runner, rig.manager, backend="static", startup_cache=cache_dir, model_dir=model_dir
+    )
+    assert forwards["during_capture"] == 0
+    assert {kind for kind, _ in warm.result.order} == {"capture"}
+    assert [
+        (g.spec.label, g.output.shape, g.output.dtype, [a.shape for a in g.aux]) for g in warm.result.graphs
+    ] == [
+        (g.spec.label, g.output.shape, g.output.dtype, [a.shape for a in g.aux]) for g in cold.result.graphs
+    ]
+    # Not only the spot-checked graphs: every allocated graph replays like eager.
+    checks = verify_graphs(warm.capturer, warm.result.graphs, rig.manager)
+    assert all(c.verified for c in checks), [c for c in checks if not c.verified]
 
 
 def test_warm_starts_rotate_the_spot_check_over_every_graph(cache_dir, model_dir) -> None:
@@ -163,8 +204,9 @@ def test_a_different_thread_count_misses(cache_dir, model_dir) -> None:
         lambda text: text.replace('"verified": true', '"verified": "yes"'),
         lambda text: text.replace('"checked_at"', '"when"'),
         lambda text: json.dumps([1, 2, 3]),
+        lambda text: text.replace('"float32"', '"float99"'),
     ],
-    ids=["truncated", "binary", "wrong_type", "missing_field", "not_an_object"],
+    ids=["truncated", "binary", "wrong_type", "missing_field", "not_an_object", "bad_layout_dtype"],
 )
 def test_a_corrupt_entry_is_ignored_with_a_warning_and_rebuilt(cache_dir, model_dir, caplog, corrupt) -> None:
     start(cache_dir, model_dir)

@@ -23,7 +23,10 @@ Backends:
   eager forward on the static buffers and copies into the graph's static outputs. It proves the
   padding and buffer handling on any machine, not CUDA-graph speed. Recording nothing, its capture
   would be a second forward over the inputs of the eager pass: the graph keeps the outputs of
-  that pass as its static outputs instead (one forward per shape, not two).
+  that pass as its static outputs instead (one forward per shape, not two). Those buffers are all
+  a ``static`` capture produces (every replay overwrites them before they are read), so when the
+  start-up cache holds the layout of every graph's outputs (a warm start of the same key), they are
+  allocated from it and no forward runs at all; verification still replays (``graphs/startup.py``).
 - ``compile``: ``torch.compile`` of the forward per shape over the static buffers (no graph).
 """
 
@@ -39,6 +42,7 @@ import torch
 from warmcap.errors import ConfigError
 from warmcap.graphs.graph_safety import GraphSafety, check_graph_safe
 from warmcap.graphs.planning import GraphPlan, GraphSpec, plan_draft_graphs, plan_target_graphs
+from warmcap.graphs.startup_cache import OutputLayout, TensorLayout
 from warmcap.graphs.static_inputs import graph_metadata
 from warmcap.graphs.subjects import GraphSubject, Outputs, make_subjects
 
@@ -163,18 +167,28 @@ class GraphCapturer:
             self.plan, [], notes=[*self.plan.notes, *self.draft_plan.notes], draft_plan=self.draft_plan
         )
         specs = [*self.plan.specs, *self.draft_plan.specs]
+        layouts = None
+        if self.backend == "static" and startup_cache is not None:
+            layouts = startup_cache.cached_layouts([s.label for s in specs])
         eager_outputs: dict[str, Outputs] = {}
-        for spec in specs:
-            self.load(spec)
-            outputs = self.forward(spec, self.metadata(spec))
-            if self.backend == "static":
-                eager_outputs[spec.label] = outputs
-            result.order.append(("eager", spec.label))
-        self._sync()
+        if layouts is None:
+            for spec in specs:
+                self.load(spec)
+                outputs = self.forward(spec, self.metadata(spec))
+                if self.backend == "static":
+                    eager_outputs[spec.label] = outputs
+                result.order.append(("eager", spec.label))
+            self._sync()
         checked: set[str] = set()
         for group in (self.plan.specs, self.draft_plan.specs):
             for spec in sorted(group, key=lambda s: (s.num_tokens, s.rows), reverse=True):
-                graph = self._capture_one(spec, eager_outputs.pop(spec.label, None))
+                graph = self._capture_one(
+                    spec,
+                    eager_outputs.pop(spec.label, None),
+                    None if layouts is None else layouts[spec.label],
+                )
+                if self.backend == "static" and startup_cache is not None:
+                    startup_cache.layouts[spec.label] = OutputLayout.of(graph.output, graph.aux)
                 if self.check_cuda_safety and spec.phase not in checked:
                     # The code path depends on the phase, not the size: the largest graph stands for it.
                     checked.add(spec.phase)
@@ -201,9 +215,12 @@ class GraphCapturer:
             return safety
         return replace(safety, reason=f"{safety.reason}; the cuda plan runs this phase eagerly")
 
-    def _capture_one(self, spec: GraphSpec, eager_outputs: Outputs | None = None) -> CapturedGraph:
-        """Capture ``spec``; ``eager_outputs`` (``static`` only): its eager pass's outputs, kept as
-        the static outputs instead of running the same forward again."""
+    def _capture_one(
+        self, spec: GraphSpec, eager_outputs: Outputs | None = None, layout: OutputLayout | None = None
+    ) -> CapturedGraph:
+        """Capture ``spec``. ``static`` only: ``eager_outputs``, its eager pass's outputs, kept as the
+        static outputs instead of running the same forward again; or ``layout``, the cached layout
+        of those outputs, allocated (zeroed) without any forward."""
         runner = self.runner
         self.load(spec)
         metas = self.metadata(spec)
@@ -231,6 +248,8 @@ class GraphCapturer:
             backend.prepare_for_capture(metas)
             if eager_outputs is not None:
                 output, aux = eager_outputs
+            elif layout is not None and forward is None:
+                output, aux = _allocate(layout, runner.device)
             else:
                 output, aux = forward() if forward is not None else self.forward(spec, metas)
             memory = sum(t.numel() * t.element_size() for t in (output, *aux))
@@ -251,3 +270,12 @@ class GraphCapturer:
     def _sync(self) -> None:
         if self.backend == "cuda":
             torch.cuda.synchronize(self.runner.device)
+
+
+def _allocate(layout: OutputLayout, device: torch.device) -> Outputs:
+    """Zeroed static outputs in ``layout`` on ``device``."""
+
+    def empty(t: TensorLayout) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+    return empty(layout.output), [empty(a) for a in layout.aux]

@@ -183,6 +183,8 @@ def capture_graphs(
         if stale:
             # Something outside the key changed; the safety verdicts read from it are suspect too.
             cache.safety = {g.spec.label: g.safety for g in result.graphs if g.safety and not g.safety_cached}
+            # The next start runs the capture's forward passes again and records what they give.
+            cache.layouts = {}
         ran = [c for c in checks if c.label not in cached_labels]
         cache.save(checked_now=ran, keep_checks=not stale)
         if cache.ignored:

@@ -10,7 +10,10 @@ Two verdicts of graph start-up cost seconds and depend only on what went into th
   count and weights, so the same key gives the same numbers, bit for bit.
 
 One JSON file per :class:`StartupKey` holds both (``<digest>.json`` under
-:func:`startup_cache_dir`). The key covers everything that can change a verdict:
+:func:`startup_cache_dir`), and the layout (shape and dtype) of each ``static`` graph's outputs:
+``static`` records nothing, so its capture's only product is those buffers, and with the layout
+cached a warm start allocates them without running the capture's forward passes
+(:mod:`warmcap.graphs.capture`). The key covers everything that can change a verdict:
 
 - warmcap's own source: a hash of every ``.py``/``.json`` file of the package (an edited file is a
   new key even without a new version);
@@ -60,7 +63,7 @@ log = logging.getLogger("warmcap.startup")
 #: moves the start-up cache (default: ``startup/`` in the warmcap cache, next to the models)
 CACHE_ENV = "WARMCAP_STARTUP_CACHE"
 #: bumped when an entry's layout changes; older entries are ignored and rewritten
-ENTRY_VERSION = 1
+ENTRY_VERSION = 2
 #: files hashed by content; anything else in a model directory is keyed by size and mtime
 _CONTENT_HASHED_MAX_BYTES = 1 << 20
 
@@ -153,6 +156,50 @@ class StartupKey:
         return hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Shape and dtype of one static graph output."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorLayout:
+        return cls(tuple(t.shape), t.dtype)
+
+    def to_json(self) -> list[Any]:
+        return [list(self.shape), str(self.dtype).removeprefix("torch.")]
+
+    @classmethod
+    def from_json(cls, data: Any) -> TensorLayout:
+        shape, dtype = data
+        found = getattr(torch, dtype) if isinstance(dtype, str) else None
+        if not isinstance(found, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise TypeError(f"{data!r} is not a [shape, dtype] layout")
+        return cls(tuple(shape), found)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLayout:
+    """The layout of a graph's static outputs: the main output and its auxiliary ones, in order."""
+
+    output: TensorLayout
+    aux: tuple[TensorLayout, ...] = ()
+
+    @classmethod
+    def of(cls, output: torch.Tensor, aux: Iterable[torch.Tensor]) -> OutputLayout:
+        return cls(TensorLayout.of(output), tuple(TensorLayout.of(t) for t in aux))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"output": self.output.to_json(), "aux": [a.to_json() for a in self.aux]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OutputLayout:
+        return cls(
+            TensorLayout.from_json(data["output"]), tuple(TensorLayout.from_json(a) for a in data["aux"])
+        )
+
+
 @dataclass(slots=True)
 class CachedCheck:
     """A graph's verification as cached, and when it was last run for real (epoch seconds)."""
@@ -163,7 +210,8 @@ class CachedCheck:
 
 @dataclass(slots=True)
 class StartupCache:
-    """One key's entry: CUDA-safety verdicts by graph label, verifications by graph label.
+    """One key's entry: CUDA-safety verdicts, verifications and ``static`` output layouts, each by
+    graph label.
 
     Reads happen once (:meth:`open`), writes once (:meth:`save`, atomic); ``hits``/``misses``
     count lookups in this run.
@@ -173,6 +221,7 @@ class StartupCache:
     key: StartupKey
     safety: dict[str, GraphSafety] = field(default_factory=dict)
     checks: dict[str, CachedCheck] = field(default_factory=dict)
+    layouts: dict[str, OutputLayout] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
     #: why the entry on disk was not used (empty: absent or used)
@@ -204,8 +253,9 @@ class StartupCache:
                 label: CachedCheck(_check_from(v["check"]), float(v["checked_at"]))
                 for label, v in data["checks"].items()
             }
+            entry.layouts = {label: OutputLayout.from_json(v) for label, v in data["layouts"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            entry.safety, entry.checks = {}, {}
+            entry.safety, entry.checks, entry.layouts = {}, {}, {}
             return entry._ignore(f"is corrupt ({type(e).__name__}: {e})")
         return entry
 
@@ -223,6 +273,13 @@ class StartupCache:
     def cached_checks(self, labels: list[str]) -> dict[str, CachedCheck] | None:
         """Cached verifications of every graph in ``labels``, or None unless all are cached."""
         found = {label: self.checks[label] for label in labels if label in self.checks}
+        complete = len(found) == len(labels)
+        self._count(complete, len(labels))
+        return found if complete else None
+
+    def cached_layouts(self, labels: list[str]) -> dict[str, OutputLayout] | None:
+        """Cached output layouts of every graph in ``labels``, or None unless all are cached."""
+        found = {label: self.layouts[label] for label in labels if label in self.layouts}
         complete = len(found) == len(labels)
         self._count(complete, len(labels))
         return found if complete else None
@@ -250,6 +307,7 @@ class StartupCache:
                 label: {"check": _check_dict(c.check), "checked_at": c.checked_at}
                 for label, c in self.checks.items()
             },
+            "layouts": {label: layout.to_json() for label, layout in self.layouts.items()},
         }
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
