@@ -157,7 +157,8 @@ def capture_graphs(
         if chosen == "compile":
             enable_compile_cache(startup_cache)
     start = time.perf_counter()
-    say("graph_capture", f"backend {chosen}: eager pass over every shape")
+    total = len(capturer.plan.specs) + len(capturer.draft_plan.specs)
+    say("graph_capture", f"backend {chosen}: {total} graphs")
     result = capturer.capture(
         on_graph=lambda done, total, label: say("graph_capture", f"captured {label}", done=done, total=total),
         startup_cache=cache,
