@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,7 +134,7 @@ class LLMEngine:
             device=self.device,
             batch_invariant=config.model.batch_invariant,
         )
-        self.tokenizer = _try_tokenizer(load_tokenizer, self.model_path)
+        self.tokenizer = _try_tokenizer(partial(load_tokenizer, config=hf_config), self.model_path)
         # Under tensor parallelism every rank holds the whole drafter (no-op on one device).
         with replicated():
             self.drafter = build_drafter(config, self.model)

@@ -38,13 +38,15 @@ def _model_dir(path: str | Path) -> Path:
 
 
 def load_hf_config(path: str | Path) -> Any:
-    """The transformers config of the model directory ``path``."""
+    """The transformers config of the model directory ``path``, as plain values
+    (:class:`~warmcap.models.hf_config.HFConfig`, cached across starts) wherever it has only those."""
     p = _model_dir(path)
     config_file = p / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{str(p)!r} has no config.json; point at a Hugging Face model directory")
+    config_bytes = config_file.read_bytes()
     try:
-        raw = json.loads(config_file.read_bytes().decode("utf-8"))
+        raw = json.loads(config_bytes.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(
             f"{str(config_file)!r} is not valid JSON ({e}); re-export the model{_rebuild_hint(p)}"
@@ -59,12 +61,24 @@ def load_hf_config(path: str | Path) -> Any:
             f"{str(config_file)!r} has no 'architectures' entry; add e.g. "
             '"architectures": ["LlamaForCausalLM"] naming the model class'
         )
+    from warmcap.models import hf_config
+
+    # The directory is part of the key: the config records where it was read from.
+    key = str(p.resolve()).encode() + b"\0" + config_bytes
+    cached = hf_config.cached_config(key)
+    if cached is not None:
+        return cached
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(p), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
         raise ModelLoadError(f"transformers cannot read {str(config_file)!r}: {e}") from None
+    values = hf_config.plain_values(config)
+    if values is None:
+        return config
+    hf_config.store_config(key, values)
+    return hf_config.from_values(values)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -181,12 +195,30 @@ def _rebuild_hint(model_dir: Path) -> str:
     return rebuild_hint(model_dir)
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The directory's tokenizer via ``AutoTokenizer`` (local files only)."""
+def load_tokenizer(path: str | Path, config: Any = None) -> Any:
+    """The directory's tokenizer via ``AutoTokenizer`` (local files only).
+
+    ``config``: the model's config as :func:`load_hf_config` gave it, which saves ``AutoTokenizer``
+    reading it again (and importing its class: over a second). It is passed only where
+    ``AutoTokenizer`` decides by ``tokenizer_config.json`` alone: that file names a
+    ``tokenizer_class`` and no ``auto_map``; then the config is read for its ``model_type``,
+    ``model_name``, ``_name_or_path`` and ``tokenizer_class`` values, which an
+    :class:`~warmcap.models.hf_config.HFConfig` carries, never for its class.
+    """
     p = _model_dir(path)
     from transformers import AutoTokenizer
 
+    extra = {"config": config} if config is not None and _names_its_class(p) else {}
     try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True, **extra)
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {str(p)!r}: {e}") from None
+
+
+def _names_its_class(model_dir: Path) -> bool:
+    """``tokenizer_config.json`` names a ``tokenizer_class`` and has no ``auto_map`` (remote code)."""
+    try:
+        data = json.loads((model_dir / "tokenizer_config.json").read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("tokenizer_class"), str) and "auto_map" not in data
