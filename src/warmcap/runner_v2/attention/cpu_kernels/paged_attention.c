@@ -33,6 +33,9 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
+/* Head sizes up to 16 * this keep an output row in vector registers (see attend_position). */
+#define WARMCAP_MAX_CHUNKS 16
+
 static inline v16f load16(const float *p)
 {
     v16f v;
@@ -129,7 +132,32 @@ static inline __attribute__((always_inline)) int attend_position(
         }
         inv_sum[g] = 1.0f / sum;
     }
-    /* Values: each value row is loaded once and added into every head's accumulator. */
+    if (d % 16 == 0 && d <= 16 * WARMCAP_MAX_CHUNKS) {
+        /* Values, head by head: the output row stays in registers (d is a constant here for the
+         * common head sizes) while the keys' value rows stream by. */
+        for (int32_t g = 0; g < group; ++g) {
+            const float *w = scores + (int64_t)g * n;
+            v16f a[WARMCAP_MAX_CHUNKS];
+            for (int32_t c = 0; c < d / 16; ++c) {
+                a[c] = (v16f){0};
+            }
+            for (int32_t j = 0; j < n; ++j) {
+                const int32_t p = lo + j;
+                const float *value =
+                    v_cache + ((int64_t)table_row[p / block_size] * block_size + p % block_size) * token_stride;
+                for (int32_t c = 0; c < d / 16; ++c) {
+                    a[c] += w[j] * load16(value + 16 * c);
+                }
+            }
+            float *og = out + g * out_stride_h;
+            for (int32_t c = 0; c < d / 16; ++c) {
+                const v16f o = a[c] * inv_sum[g];
+                memcpy(og + 16 * c, &o, sizeof o);
+            }
+        }
+        return WARMCAP_OK;
+    }
+    /* Other head sizes: each value row is loaded once and added into every head's accumulator. */
     memset(acc, 0, sizeof(float) * (size_t)group * (size_t)d);
     for (int32_t j = 0; j < n; ++j) {
         const int32_t p = lo + j;

@@ -34,7 +34,7 @@ MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
 
 #: Longest query span per row the kernel serves (decode 1, spec-verify k + 1, short chunks); longer
 #: prefills keep SDPA's flash kernel, which wins there (BENCHMARKS.md, #15 "CPU paged attention").
-MAX_QUERY_LEN = 16
+MAX_QUERY_LEN = 8
 
 _STATUS = {
     1: "a shape or sequence length past the block table",
