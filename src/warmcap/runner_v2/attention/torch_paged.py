@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
@@ -67,6 +68,25 @@ def token_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, 
     position = seq[row] - qlen[row] + index
     valid = (position >= 0) & (t < qsl[r])
     return row, index, valid
+
+
+def _kernel_can_read(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The compiled CPU kernel may run on these tensors: plain (not fake) CPU tensors with data,
+    a contiguous float32 cache, and nothing tracing the forward.
+
+    NOTE: the kernel reads raw pointers. Fake tensors (``graphs/graph_safety.py``) have none, and
+    ``torch.compile`` (the ``compile`` graph backend) would split its graph at every layer around an
+    opaque call, so both see gather + SDPA, as CUDA does.
+    """
+    return (
+        type(kv_cache) is torch.Tensor
+        and type(q) is torch.Tensor
+        and kv_cache.device.type == "cpu"
+        and kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+    )
 
 
 def _capturing() -> bool:
@@ -308,15 +328,7 @@ class TorchPagedAttention(AttentionBackend):
         plan = self._plan_for(meta, t)
         write_kv_slots(kv_cache, k, v, plan.write_slots(kv_cache, t))
         r, qmax = meta.num_reqs, plan.max_query_len
-        # NOTE: torch.compile (the ``compile`` graph backend) traces gather + SDPA; an opaque ctypes
-        # call would split its graph at every layer.
-        if (
-            qmax <= MAX_QUERY_LEN
-            and kv_cache.device.type == "cpu"
-            and kv_cache.dtype == torch.float32
-            and kv_cache.is_contiguous()
-            and not torch.compiler.is_compiling()
-        ):
+        if qmax <= MAX_QUERY_LEN and _kernel_can_read(q, kv_cache):
             kernel = self._cpu_kernel()
             if kernel is not None:
                 out = kernel(q, kv_cache, plan.kernel_inputs(), scale=scale, window=sliding_window)
