@@ -179,6 +179,20 @@ def test_steps_past_the_query_bound_keep_sdpa(kernel_calls: list[int]):
     assert calls == [1]
 
 
+def test_fake_tensors_never_reach_the_kernel(kernel_calls: list[int]):
+    """The graph-safety check runs the forward on fakes (no data to point at): it must see the
+    torch path, not hand the kernel a null pointer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, cache, meta = _step_for_fallback()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(x) for x in (q, k, v, cache)]
+    with mode:
+        out = KERNEL.forward(*fakes, meta, scale=0.125)
+    assert out.shape == q.shape
+    assert kernel_calls == []
+
+
 def test_one_openmp_runtime_is_mapped_after_the_kernel_runs_on_two_threads():
     """The kernel's libgomp.so.1 must resolve to torch's copy: two runtimes would each keep a pool."""
     script = textwrap.dedent(
