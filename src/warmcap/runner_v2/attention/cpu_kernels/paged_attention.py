@@ -32,9 +32,10 @@ ENV = "WARMCAP_CPU_ATTENTION"
 Mode = Literal["auto", "torch", "kernel"]
 MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
 
-#: Longest query span per row the kernel serves (decode 1, spec-verify k + 1, short chunks); longer
-#: prefills keep SDPA's flash kernel, which wins there (BENCHMARKS.md, #15 "CPU paged attention").
-MAX_QUERY_LEN = 8
+#: Longest query span per row the kernel serves (decode 1, spec-verify k + 1 up to k = 3). It computes
+#: every query on its own, so its cost grows with the span, while SDPA's flash kernel amortises its
+#: tiles over the queries: they measured even at 8 (BENCHMARKS.md, #15 "CPU paged attention").
+MAX_QUERY_LEN = 4
 
 _STATUS = {
     1: "a shape or sequence length past the block table",
