@@ -101,14 +101,26 @@ def warmcap_runner(
     packed: bool = True,
     grouped: bool = True,
     prefix_caching: bool = True,
+    attention: str | None = None,
     **_: object,
 ) -> Runner:
     from warmcap.models.packed_linear import prepack_linears, unpack_linears
+    from warmcap.runner_v2.attention.cpu_kernels.paged_attention import ENV
     from warmcap.sampling_params import SamplingParams
 
-    llm = warmcap_llm(
-        path, ids, max_tokens, batch_invariant=batch_invariant, eager=eager, prefix_caching=prefix_caching
-    )
+    # The CPU attention path is chosen when the engine builds its backend: set only around that.
+    saved = os.environ.get(ENV)
+    if attention is not None:
+        os.environ[ENV] = attention
+    try:
+        llm = warmcap_llm(
+            path, ids, max_tokens, batch_invariant=batch_invariant, eager=eager, prefix_caching=prefix_caching
+        )
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
     if not packed:
         # The peer for models/packed_linear.py: the same engine on plain F.linear.
         unpack_linears(llm.engine.model)
@@ -262,6 +274,8 @@ PEERS: dict[str, Callable[..., Runner]] = {
     "warmcap_batch_invariant": partial(warmcap_runner, batch_invariant=True),
     "warmcap_unpacked": partial(warmcap_runner, packed=False),
     "warmcap_ungrouped": partial(warmcap_runner, grouped=False),
+    # the same engine on gather + SDPA attention: the peer for the CPU paged-attention kernel
+    "warmcap_torch_attention": partial(warmcap_runner, attention="torch"),
     "hf_generate": hf_generate_runner,
     "hf_paged": hf_paged_runner,
 }

@@ -38,7 +38,7 @@ def select_backend(device: str | torch.device, *, name: str = "auto") -> Attenti
         from warmcap.runner_v2.attention.flashinfer import FlashInferAttention
 
         return FlashInferAttention(torch.device(device))
-    return TorchPagedAttention()
+    return TorchPagedAttention(device)
 
 
 def backend_registry(attention: AttentionBackend) -> BackendRegistry:

@@ -13,9 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
+from warmcap.runner_v2.attention.cpu_kernels.paged_attention import (
+    MAX_QUERY_LEN,
+    KernelInputs,
+    PagedAttentionKernel,
+    load_paged_attention,
+)
 
 _MAX_CACHED_PLANS = 8
 
@@ -61,6 +68,25 @@ def token_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, 
     position = seq[row] - qlen[row] + index
     valid = (position >= 0) & (t < qsl[r])
     return row, index, valid
+
+
+def _kernel_can_read(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The compiled CPU kernel may run on these tensors: plain (not fake) CPU tensors with data,
+    a contiguous float32 cache, and nothing tracing the forward.
+
+    NOTE: the kernel reads raw pointers. Fake tensors (``graphs/graph_safety.py``) have none, and
+    ``torch.compile`` (the ``compile`` graph backend) would split its graph at every layer around an
+    opaque call, so both see gather + SDPA, as CUDA does.
+    """
+    return (
+        type(kv_cache) is torch.Tensor
+        and type(q) is torch.Tensor
+        and kv_cache.device.type == "cpu"
+        and kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+    )
 
 
 def _capturing() -> bool:
@@ -136,6 +162,13 @@ class StepPlan:
     slots: dict[int | None, torch.Tensor] = field(default_factory=dict)
     #: the step's slot mapping with PAD sent to the sink, by the sink's first slot
     sinked: dict[int, torch.Tensor] = field(default_factory=dict)
+    kernel: KernelInputs | None = None
+
+    def kernel_inputs(self) -> KernelInputs:
+        """The metadata as the CPU kernel reads it, converted once per step."""
+        if self.kernel is None:
+            self.kernel = KernelInputs.of(self.meta)
+        return self.kernel
 
     def write_slots(self, kv_cache: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """[T] where the step's tokens are written in ``kv_cache`` (:func:`sink_slots`), derived
@@ -229,14 +262,29 @@ class TorchPagedAttention(AttentionBackend):
     """Paged attention vectorised over requests: gather each row's pages, one masked SDPA call.
 
     Handles mixed prefill / decode / spec-verify rows, GQA and sliding windows. Padded rows
-    (``seq_len`` 0) give zeros and never influence real rows.
+    (``seq_len`` 0) give zeros and never influence real rows. On a CPU float32 cache, steps of at
+    most ``MAX_QUERY_LEN`` queries per row go to the compiled kernel of
+    :mod:`warmcap.runner_v2.attention.cpu_kernels.paged_attention` instead, which reads the pages
+    in place (same results; ``WARMCAP_CPU_ATTENTION`` chooses).
     """
 
     name = "torch"
     supports_full_graph = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        """``device``: a CPU device builds the kernel now (engine start-up) rather than on the
+        first CPU step."""
         self._plans: OrderedDict[int, StepPlan] = OrderedDict()
+        self._kernel: PagedAttentionKernel | None = None
+        self._kernel_loaded = False
+        if device is not None and torch.device(device).type == "cpu":
+            self._cpu_kernel()
+
+    def _cpu_kernel(self) -> PagedAttentionKernel | None:
+        if not self._kernel_loaded:
+            self._kernel = load_paged_attention()
+            self._kernel_loaded = True
+        return self._kernel
 
     def plan(self, metas: dict[str, AttentionMetadata]) -> None:
         """Optionally derive every group's plan up front (forward does it lazily otherwise)."""
@@ -280,6 +328,11 @@ class TorchPagedAttention(AttentionBackend):
         plan = self._plan_for(meta, t)
         write_kv_slots(kv_cache, k, v, plan.write_slots(kv_cache, t))
         r, qmax = meta.num_reqs, plan.max_query_len
+        if qmax <= MAX_QUERY_LEN and _kernel_can_read(q, kv_cache):
+            kernel = self._cpu_kernel()
+            if kernel is not None:
+                out = kernel(q, kv_cache, plan.kernel_inputs(), scale=scale, window=sliding_window)
+                return out if out.dtype == q.dtype else out.to(q.dtype)
         hkv = kv_cache.shape[3]
         group = hq // hkv
         # [R, Hkv, K, D]: each row's keys laid end to end, read slot by slot (see ``key_slots``).

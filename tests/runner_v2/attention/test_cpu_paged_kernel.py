@@ -1,0 +1,323 @@
+"""The compiled CPU paged-attention kernel against gather + SDPA (the torch path of the same
+backend), its build cache and fallbacks, and the real SmolLM2 through it against transformers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_metadata import paged_metadata
+from warmcap.contracts import PAD_SLOT_ID
+from warmcap.errors import ConfigError
+from warmcap.runner_v2.attention import torch_paged
+from warmcap.runner_v2.attention.cpu_kernels import build
+from warmcap.runner_v2.attention.cpu_kernels.paged_attention import (
+    ENV,
+    MAX_QUERY_LEN,
+    PagedAttentionKernel,
+    load_paged_attention,
+)
+from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
+
+
+def backend(mode: str) -> TorchPagedAttention:
+    """A CPU backend built under ``WARMCAP_CPU_ATTENTION=mode`` (the choice is made at construction)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, mode)
+        return TorchPagedAttention("cpu")
+
+
+TORCH = backend("torch")
+KERNEL = backend("kernel")
+
+
+def make_step(
+    seed: int,
+    rows: list[tuple[int, int]],
+    *,
+    pad_rows: int,
+    pad_tokens: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+    share: bool,
+):
+    """rows: (computed, scheduled). The cache starts as NaN everywhere (``serve/poison.py``); only
+    positions some query can see hold finite K/V, so reading anything else shows in the output.
+    Pages are shuffled; with ``share`` every row starts with row 0's first full page when both
+    computed past it (a prefix-cache hit). Pages wholly before every query's window are the null
+    block 0, as the engine hands them back."""
+    gen = torch.Generator().manual_seed(seed)
+    hq = num_kv_heads * group
+    cols = max(-(-(c + s) // block_size) for c, s in rows)
+    num_blocks = len(rows) * cols + 2
+    cache = torch.full((2, num_blocks + 1, block_size, num_kv_heads, head_dim), float("nan"))
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(rows) + pad_rows, cols, dtype=torch.int32)
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    slots, qsl, seq_lens = [], [0], []
+    for r, (computed, scheduled) in enumerate(rows):
+        seq = computed + scheduled
+        pages = [free.pop() for _ in range(-(-seq // block_size))]
+        if share and r > 0 and computed >= block_size and rows[0][0] >= block_size:
+            pages[0] = int(table[0, 0])
+        first_visible = 0 if window is None else max(0, computed - window + 1)
+        for column in range(first_visible // block_size):
+            pages[column] = 0
+        table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        pos = torch.arange(seq)
+        where = torch.tensor(pages)[pos // block_size] * block_size + pos % block_size
+        visible = where[first_visible:computed]
+        flat[:, visible] = torch.randn(2, len(visible), num_kv_heads, head_dim, generator=gen)
+        slots.append(where[computed:])
+        qsl.append(qsl[-1] + scheduled)
+        seq_lens.append(seq)
+    for p in range(pad_rows):
+        qsl.append(qsl[-1] + (pad_tokens if p == pad_rows - 1 else 0))
+        seq_lens.append(0)
+    extra = qsl[-1] - qsl[len(rows)]
+    slots.append(torch.full((extra,), PAD_SLOT_ID))
+    meta = paged_metadata(qsl, seq_lens, table, torch.cat(slots).long(), block_size)
+    t = qsl[-1]
+    # q is a view of a fused projection (head stride != D, token stride != Hq * D), as models pass it.
+    qkv = torch.randn(t, hq + 2 * num_kv_heads, head_dim, generator=gen)
+    qkv[qsl[len(rows)] :] *= 100  # padding must not leak into real rows
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + num_kv_heads], qkv[:, hq + num_kv_heads :]
+    return q, k, v, cache, meta
+
+
+#: The kernel serves any span; the property checks it past the backend's bound too.
+SPAN = 16
+row = st.tuples(st.integers(0, 70), st.integers(1, SPAN))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.lists(row, min_size=1, max_size=5),
+    pad_rows=st.integers(0, 2),
+    pad_tokens=st.integers(0, 3),
+    num_kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 80, 8]),
+    block_size=st.sampled_from([4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    share=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_equals_gather_and_sdpa_and_never_reads_unseen_kv(
+    rows, pad_rows, pad_tokens, num_kv_heads, group, head_dim, block_size, window, share, threads, seed
+):
+    q, k, v, cache, meta = make_step(
+        seed,
+        rows,
+        pad_rows=pad_rows,
+        pad_tokens=pad_tokens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        window=window,
+        share=share,
+    )
+    scale = head_dim**-0.5
+    cache_torch, cache_kernel = cache.clone(), cache.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = TORCH.forward(q, k, v, cache_torch, meta, scale=scale, sliding_window=window)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch_paged, "MAX_QUERY_LEN", SPAN)
+            got = KERNEL.forward(q, k, v, cache_kernel, meta, scale=scale, sliding_window=window)
+    finally:
+        torch.set_num_threads(before)
+    assert not got.isnan().any(), "the kernel read a position no query can see (NaN there)"
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    real = meta.query_start_loc[len(rows)]
+    assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padded tokens must output zeros"
+    assert torch.equal(cache_kernel.nan_to_num(7.0), cache_torch.nan_to_num(7.0)), "same KV writes"
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Grows by one for every call of the kernel."""
+    calls: list[int] = []
+    real_call = PagedAttentionKernel.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(PagedAttentionKernel, "__call__", spy)
+    return calls
+
+
+def test_steps_past_the_query_bound_keep_sdpa(kernel_calls: list[int]):
+    calls = kernel_calls
+    common = dict(
+        pad_rows=0,
+        pad_tokens=0,
+        num_kv_heads=1,
+        group=3,
+        head_dim=64,
+        block_size=16,
+        window=None,
+        share=False,
+    )
+    q, k, v, cache, meta = make_step(0, [(5, MAX_QUERY_LEN + 1), (20, 1)], **common)
+    KERNEL.forward(q, k, v, cache, meta, scale=0.125)
+    assert calls == []
+    q, k, v, cache, meta = make_step(0, [(5, MAX_QUERY_LEN), (20, 1)], **common)
+    KERNEL.forward(q, k, v, cache, meta, scale=0.125)
+    assert calls == [1]
+
+
+def test_fake_tensors_never_reach_the_kernel(kernel_calls: list[int]):
+    """The graph-safety check runs the forward on fakes (no data to point at): it must see the
+    torch path, not hand the kernel a null pointer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, cache, meta = _step_for_fallback()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(x) for x in (q, k, v, cache)]
+    with mode:
+        out = KERNEL.forward(*fakes, meta, scale=0.125)
+    assert out.shape == q.shape
+    assert kernel_calls == []
+
+
+def test_one_openmp_runtime_is_mapped_after_the_kernel_runs_on_two_threads():
+    """The kernel's libgomp.so.1 must resolve to torch's copy: two runtimes would each keep a pool."""
+    script = textwrap.dedent(
+        """
+        import json
+        import torch
+        from warmcap.runner_v2.attention.cpu_kernels.paged_attention import load_paged_attention
+        from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
+        assert load_paged_attention() is not None
+        torch.set_num_threads(2)
+        torch.randn(256, 256) @ torch.randn(256, 256)
+        from test_cpu_paged_kernel import make_step
+        q, k, v, cache, meta = make_step(0, [(30, 1), (40, 1)], pad_rows=0, pad_tokens=0, num_kv_heads=2,
+            group=3, head_dim=64, block_size=16, window=None, share=False)
+        TorchPagedAttention("cpu").forward(q, k, v, cache, meta, scale=0.125)
+        maps = open("/proc/self/maps").read().splitlines()
+        print(json.dumps(sorted({line.split()[-1] for line in maps if "gomp" in line})))
+        """
+    )
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent.parent), *sys.path])}
+    env.pop(ENV, None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    libs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(libs) == 1 and Path(libs[0]).name.startswith("libgomp"), libs
+    assert "torch" in libs[0], f"the kernel brought its own OpenMP runtime: {libs}"
+
+
+def _step_for_fallback():
+    return make_step(
+        3,
+        [(30, 1), (0, 4), (17, 2)],
+        pad_rows=1,
+        pad_tokens=2,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        block_size=16,
+        window=None,
+        share=False,
+    )
+
+
+def test_no_compiler_falls_back_to_sdpa_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("WARMCAP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.delenv(ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="warmcap.attention"):
+        fallback = TorchPagedAttention("cpu")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "/nonexistent/cc" in warnings[0].getMessage()
+    q, k, v, cache, meta = _step_for_fallback()
+    got = fallback.forward(q, k, v, cache.clone(), meta, scale=0.125)
+    want = TORCH.forward(q, k, v, cache.clone(), meta, scale=0.125)
+    assert torch.equal(got, want)
+    monkeypatch.setenv(ENV, "kernel")
+    with pytest.raises(ConfigError, match="cannot be built"):
+        TorchPagedAttention("cpu")
+
+
+def test_a_failing_compile_is_reported_with_its_stderr(monkeypatch, tmp_path, caplog):
+    cc = tmp_path / "cc"
+    cc.write_text(
+        '#!/bin/sh\nif [ "$1" = -dumpfullversion ]; then echo 99.0; exit 0; fi\necho "error: no luck" >&2\nexit 1\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("WARMCAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.delenv(ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="warmcap.attention"):
+        assert load_paged_attention() is None
+    assert "error: no luck" in caplog.text
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so")), "no half-built library may stay"
+
+
+def test_the_library_is_built_once_into_the_warmcap_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("WARMCAP_CACHE", str(tmp_path))
+    monkeypatch.delenv(ENV, raising=False)
+    assert load_paged_attention() is not None
+    built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
+    assert len(built) == 1
+    # A second process finds it: no compile happens (the loaded-library memo is per process).
+    monkeypatch.setattr(build, "_loaded", {})
+
+    def no_compile(*_: object) -> None:
+        raise AssertionError("compiled again although the library was cached")
+
+    monkeypatch.setattr(build, "_compile", no_compile)
+    assert load_paged_attention() is not None
+    assert list((tmp_path / "kernels").glob("*.so")) == built
+
+
+def test_an_unknown_mode_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ConfigError, match="auto, torch, kernel"):
+        TorchPagedAttention("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_smollm2_greedy_through_the_kernel_equals_transformers(monkeypatch, kernel_calls):
+    from transformers import AutoModelForCausalLM
+
+    from warmcap.llm import LLM
+    from warmcap.models.presets import resolve_model
+    from warmcap.sampling_params import SamplingParams
+
+    monkeypatch.setenv(ENV, "kernel")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+    llm = LLM("smollm2-135m", device="cpu", max_model_len=128, num_blocks=64, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tok = llm.engine.tokenizer
+    ids = [tok(p).input_ids for p in prompts]
+    got = [o.token_ids for o in llm.generate(ids, params)]
+    assert kernel_calls, "decode steps must run through the kernel"
+    ref = AutoModelForCausalLM.from_pretrained(str(resolve_model("smollm2-135m")), dtype=torch.float32).eval()
+    for prompt, tokens in zip(ids, got, strict=True):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+        assert tokens == out[0, len(prompt) :].tolist()
