@@ -101,6 +101,7 @@ def warmcap_runner(
     packed: bool = True,
     grouped: bool = True,
     prefix_caching: bool = True,
+    greedy_head: bool = True,
     **_: object,
 ) -> Runner:
     from warmcap.models.packed_linear import prepack_linears, unpack_linears
@@ -116,6 +117,9 @@ def warmcap_runner(
         # The peer for PackedGroup: q/k/v and gate/up packed one by one, three and two GEMMs.
         unpack_linears(llm.engine.model)
         prepack_linears(llm.engine.model, groups=False)
+    if not greedy_head:
+        # The peer for models/greedy_head.py: the full float32 logits on every step.
+        llm.engine.runner.greedy_head = None
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -262,6 +266,7 @@ PEERS: dict[str, Callable[..., Runner]] = {
     "warmcap_batch_invariant": partial(warmcap_runner, batch_invariant=True),
     "warmcap_unpacked": partial(warmcap_runner, packed=False),
     "warmcap_ungrouped": partial(warmcap_runner, grouped=False),
+    "warmcap_full_head": partial(warmcap_runner, greedy_head=False),
     "hf_generate": hf_generate_runner,
     "hf_paged": hf_paged_runner,
 }
