@@ -63,6 +63,8 @@ _SAFETY = 1.0 + 2.0**-6
 # sees them, as without the screen).
 _MIN_NORM = 2.0**-60
 _MAX_BOUND = 2.0**100
+#: :attr:`GreedyHead.max_candidates` never goes below this (small vocabularies re-score whole)
+_MIN_CANDIDATE_LIMIT = 512
 #: rows screened per pass over the vocabulary (bounds the scratch to 2 x _CHUNK x V float32)
 _CHUNK = 16
 
@@ -158,6 +160,12 @@ class GreedyHead:
         """Memory the screen adds beside the head: the bf16 copy and the norms."""
         return self.weight.numel() * 2 + self.row_norms.numel() * 4
 
+    @property
+    def max_candidates(self) -> int:
+        """Past this many candidates (over all rows) :meth:`argmax` leaves the step to the full
+        logits: re-scoring an eighth of a large vocabulary costs what the screen saves."""
+        return max(self.row_norms.numel() // 8, _MIN_CANDIDATE_LIMIT)
+
     def usable(self) -> bool:
         """Whether the head still computes as when this was built (a packed float32 linear with
         full-precision GEMMs); the benchmark's peers unpack linears after load."""
@@ -225,7 +233,7 @@ class GreedyHead:
         if not self.usable():
             return None
         screen = self.screen(x)
-        if screen is None or screen.ids.numel() > self.row_norms.numel() // 8:
+        if screen is None or screen.ids.numel() > self.max_candidates:
             return None
         logits = self.rescore(x, screen.ids).masked_fill_(~screen.member, float("-inf"))
         return screen.ids[logits.argmax(dim=1)]
