@@ -102,7 +102,7 @@ def main() -> None:
             f"  candidates per row: mean {sum(per_row) / len(per_row):.2f}, max {max(per_row)}; "
             f"re-scored per step (union): mean {sum(unions) / len(unions):.1f}, max {max(unions)}"
         )
-    print(f"  screen memory: {head.nbytes / 2**20:.1f} MiB (bf16 copy + row norms)")
+    print(f"  screen memory: {head.nbytes / 1e6:.1f} MB (bf16 copy, row norms, scratch)")
 
 
 if __name__ == "__main__":

@@ -34,9 +34,10 @@ a kernel to sum in another order, the two could disagree only between tokens who
 lie within 2 g_n S_v of each other (both are float32 roundings of the same real dot product), and
 the token chosen would still be one of them.
 
-Memory: the head keeps a bf16 copy of the weight (2 bytes per weight; 56 MB for SmolLM2's
-49152 x 576) and float32 row norms; the float32 weight used to re-score is the LM head's own
-parameter (shared with the tied embedding, never copied).
+Memory: the head keeps a bf16 copy of the weight (2 bytes per weight; 56.6 MB for SmolLM2's
+49152 x 576), float32 row norms and a 2 x 16-row float32 scratch (6.3 MB there); the float32
+weight used to re-score is the LM head's own parameter (shared with the tied embedding, never
+copied).
 
 ``WARMCAP_EXACT_GREEDY_HEAD=0`` turns the screen off (every step computes the full logits).
 """
@@ -157,8 +158,8 @@ class GreedyHead:
 
     @property
     def nbytes(self) -> int:
-        """Memory the screen adds beside the head: the bf16 copy and the norms."""
-        return self.weight.numel() * 2 + self.row_norms.numel() * 4
+        """Memory the screen adds beside the head: the bf16 copy, the norms and the scratch."""
+        return self.weight.numel() * 2 + self.row_norms.numel() * 4 * (1 + 2 * _CHUNK)
 
     @property
     def max_candidates(self) -> int:
