@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +92,20 @@ def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def _full_precision_matmul() -> bool:
     # NOTE: a float32 GEMM allowed to run in bf16 breaks the bound's premise.
     return torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee")
+
+
+@contextmanager
+def _serial() -> Iterator[None]:
+    """Run the block's ops on the calling thread only. The screen's passes after the GEMM are
+    memory-light and many: each parallel region is a barrier, and with the cores shared (or
+    oversubscribed) a barrier waits for a descheduled thread (measured 2.5x slower at 2 threads
+    under load, BENCHMARKS.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,13 +200,14 @@ class GreedyHead:
         cx = (scale * self.coefficient).unsqueeze(1)
         absolute = (2.0**-123 * (2 * n + 1 + math.sqrt(n) * (scale + self.max_norm))).unsqueeze(1)
         approx = _linear(x.bfloat16(), self.screen_weight)
-        lo = torch.empty_like(cx)
-        slack = torch.full_like(self.row_norms, float("-inf"))
-        for start in range(0, x.shape[0], _CHUNK):
-            rows = slice(start, start + _CHUNK)
-            self._chunk_bounds(approx[rows], cx[rows], absolute[rows], lo[rows], slack)
-        ids = (slack >= 0).nonzero().squeeze(1)
-        member = torch.addcmul(approx[:, ids].float(), cx, self.row_norms[ids]) >= lo
+        with _serial():
+            lo = torch.empty_like(cx)
+            slack = torch.full_like(self.row_norms, float("-inf"))
+            for start in range(0, x.shape[0], _CHUNK):
+                rows = slice(start, start + _CHUNK)
+                self._chunk_bounds(approx[rows], cx[rows], absolute[rows], lo[rows], slack)
+            ids = (slack >= 0).nonzero().squeeze(1)
+            member = torch.addcmul(approx[:, ids].float(), cx, self.row_norms[ids]) >= lo
         return Screen(ids=ids, member=member)
 
     def _chunk_bounds(
@@ -236,5 +253,6 @@ class GreedyHead:
         screen = self.screen(x)
         if screen is None or screen.ids.numel() > self.max_candidates:
             return None
-        logits = self.rescore(x, screen.ids).masked_fill_(~screen.member, float("-inf"))
-        return screen.ids[logits.argmax(dim=1)]
+        with _serial():
+            logits = self.rescore(x, screen.ids).masked_fill_(~screen.member, float("-inf"))
+            return screen.ids[logits.argmax(dim=1)]
