@@ -102,6 +102,7 @@ def warmcap_runner(
     grouped: bool = True,
     prefix_caching: bool = True,
     attention: str | None = None,
+    greedy_head: bool = True,
     **_: object,
 ) -> Runner:
     from warmcap.models.packed_linear import prepack_linears, unpack_linears
@@ -128,6 +129,9 @@ def warmcap_runner(
         # The peer for PackedGroup: q/k/v and gate/up packed one by one, three and two GEMMs.
         unpack_linears(llm.engine.model)
         prepack_linears(llm.engine.model, groups=False)
+    if not greedy_head:
+        # The peer for models/greedy_head.py: the full float32 logits on every step.
+        llm.engine.runner.greedy_head = None
     llm.generate([ids[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -276,6 +280,8 @@ PEERS: dict[str, Callable[..., Runner]] = {
     "warmcap_ungrouped": partial(warmcap_runner, grouped=False),
     # the same engine on gather + SDPA attention: the peer for the CPU paged-attention kernel
     "warmcap_torch_attention": partial(warmcap_runner, attention="torch"),
+    # the same engine computing the full float32 logits every step: the peer for models/greedy_head.py
+    "warmcap_full_head": partial(warmcap_runner, greedy_head=False),
     "hf_generate": hf_generate_runner,
     "hf_paged": hf_paged_runner,
 }

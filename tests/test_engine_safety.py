@@ -90,6 +90,8 @@ def test_an_error_inside_a_step_aborts_the_batch(
         return real(hidden)
 
     monkeypatch.setattr(engine.model, "compute_logits", fail_on_third)
+    # every step computes its logits in full, through the failing function (models/greedy_head.py)
+    monkeypatch.setattr(engine.runner, "greedy_head", None)
     with pytest.raises(error):
         llm.generate(PROMPTS, GREEDY)
     monkeypatch.setattr(engine.model, "compute_logits", real)

@@ -16,6 +16,7 @@ from torch import nn
 
 from warmcap.contracts.parallel import parallel_state
 from warmcap.errors import ModelLoadError
+from warmcap.models.greedy_head import GreedyHead
 from warmcap.models.layers import RMSNorm, lm_head, vocab_embedding
 
 if TYPE_CHECKING:
@@ -171,6 +172,14 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+    def greedy_head(self) -> GreedyHead | None:
+        """The exact screened argmax of :meth:`compute_logits` (``models/greedy_head.py``), built
+        now; None where it does not apply: a family whose logits are more than ``lm_head(hidden)``,
+        or a head that is not a packed float32 CPU linear (batch-invariant, tensor-parallel, GPU)."""
+        if type(self).compute_logits is not DecoderForCausalLM.compute_logits:
+            return None
+        return GreedyHead.build(self.lm_head)
 
 
 def check_tensor_parallel(cls: type[nn.Module], world_size: int | None = None) -> None:

@@ -89,6 +89,8 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        # Rows whose request returns logprobs: their steps need the full logits.
+        self.wants_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs))
@@ -157,6 +159,7 @@ class InputBatch:
         self.repetition_penalty[row] = 1.0
         self.presence_penalty[row] = 0.0
         self.frequency_penalty[row] = 0.0
+        self.wants_logprobs[row] = False
         heapq.heappush(self._free_rows, row)
         return row
 
@@ -179,6 +182,7 @@ class InputBatch:
         self.repetition_penalty[row] = params.repetition_penalty
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
+        self.wants_logprobs[row] = params.logprobs is not None
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator()
@@ -194,9 +198,7 @@ class InputBatch:
         """
         rows = step.rows
         done = self.num_tokens[rows] - self.num_prompt_tokens[rows]
-        penalized = (self.repetition_penalty[rows] != 1) | (self.presence_penalty[rows] != 0)
-        penalized |= self.frequency_penalty[rows] != 0
-        held = self.min_tokens[rows] > done
+        penalized, held = self._shaped(rows, done)
         if not (penalized | held).any():
             return logits
         logits = logits.clone()
@@ -210,6 +212,19 @@ class InputBatch:
                 logits[first : first + num_held, list(stop_ids)] = float("-inf")
             first += n
         return logits
+
+    def shapes_logits(self, step: StepInputs) -> bool:
+        """Whether :meth:`process_logits` would change this step's logits (a penalty, or a stop
+        token held back by ``min_tokens``)."""
+        rows = step.rows
+        penalized, held = self._shaped(rows, self.num_tokens[rows] - self.num_prompt_tokens[rows])
+        return bool((penalized | held).any())
+
+    def _shaped(self, rows: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row of ``rows``: whether a penalty applies, whether ``min_tokens`` holds stops back."""
+        penalized = (self.repetition_penalty[rows] != 1) | (self.presence_penalty[rows] != 0)
+        penalized |= self.frequency_penalty[rows] != 0
+        return penalized, self.min_tokens[rows] > done
 
     def _penalize(self, logits: torch.Tensor, row: int, end: int) -> None:
         """vLLM's penalties on one logits row, in place, given the row's first ``end`` tokens."""

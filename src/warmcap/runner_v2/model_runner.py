@@ -21,6 +21,7 @@ from warmcap.core.kv_connector import WorkerConnector
 from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.reservation import max_blocks_per_request
+from warmcap.models.greedy_head import enabled as greedy_head_enabled
 from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.collaborators import Drafter, DraftPass, GraphDispatcher
@@ -35,6 +36,7 @@ from warmcap.runner_v2.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
+    from warmcap.models.greedy_head import GreedyHead
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -62,7 +64,10 @@ class ModelRunner:
     - ``backends``: the backend of each KV kind (``attn_backend`` serves full and sliding layers);
       model layers get theirs through the forward context
     - ``state_handlers``: per-step state of some KV groups (Mamba), called at fixed points of a step
-    - ``logits_hook``: sees the sampling logits of each step
+    - ``logits_hook``: sees the sampling logits of each step (a step with a hook always computes
+      them in full)
+    - ``greedy_head``: the screened argmax head (``models/greedy_head.py``); set it to None to
+      compute the full logits on every step
     """
 
     def __init__(
@@ -133,6 +138,9 @@ class ModelRunner:
         self.kv_connector: WorkerConnector | None = None
         self.kv_write_log = KVWriteLog()
         self.logits_hook: LogitsHook | None = None
+        #: the exact screened argmax over the LM head, used by steps that need nothing but argmaxes
+        #: (:meth:`_greedy_argmax`); None: every step computes the full logits
+        self.greedy_head: GreedyHead | None = _build_greedy_head(model)
         # req_id -> [k, V] probabilities of the drafts a drafter just proposed (consumed by the next
         # verify step); requests without an entry are verified as single-token proposals.
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -388,22 +396,43 @@ class ModelRunner:
         n = len(step.logits_indices)
         if n == 0:
             return [[] for _ in step.req_ids]
-        logits = self.model.compute_logits(hidden[self.buffers.logits_indices[:n]])
-        self.last_logits = logits
-        if self.logits_hook is not None:
-            self.logits_hook(step.req_ids, step.num_logits, logits)
-        logits = self.batch.process_logits(logits, step)
+        rows = hidden[self.buffers.logits_indices[:n]]
         samples = (step.num_logits > 0).tolist()
         meta = self.sampling_metadata(np.repeat(step.rows, step.num_logits))
         drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]
-        if not any(drafts):
-            produced = [[t] for t in self.sampler(logits, meta).tolist()]
-        elif meta.all_greedy:
-            produced = greedy_verify(row_argmax(logits), drafts)
+        greedy = self._greedy_argmax(rows, step, meta)
+        if greedy is not None:
+            # No full logits this step: the engine's logprobs and non-finite check see none (the
+            # screen refuses non-finite rows, which then take the full path below).
+            self.last_logits = None
+            produced = greedy_verify(greedy, drafts) if any(drafts) else [[t] for t in greedy.tolist()]
         else:
-            produced = self._verify_random(logits, meta, step, drafts)
+            logits = self.model.compute_logits(rows)
+            self.last_logits = logits
+            if self.logits_hook is not None:
+                self.logits_hook(step.req_ids, step.num_logits, logits)
+            logits = self.batch.process_logits(logits, step)
+            if not any(drafts):
+                produced = [[t] for t in self.sampler(logits, meta).tolist()]
+            elif meta.all_greedy:
+                produced = greedy_verify(row_argmax(logits), drafts)
+            else:
+                produced = self._verify_random(logits, meta, step, drafts)
         it = iter(produced)
         return [next(it) if s else [] for s in samples]
+
+    def _greedy_argmax(
+        self, rows: torch.Tensor, step: StepInputs, meta: SamplingMetadata
+    ) -> torch.Tensor | None:
+        """Each logits row's argmax from the screened head when the step needs nothing else: every
+        row greedy, no logits processing, no hook, no request returning logprobs. None: compute the
+        full logits (also when the head declines a batch, e.g. a non-finite row)."""
+        head = self.greedy_head
+        if head is None or self.logits_hook is not None or not meta.all_greedy:
+            return None
+        if self.batch.wants_logprobs[step.rows].any() or self.batch.shapes_logits(step):
+            return None
+        return head.argmax(rows)
 
     def _verify_random(
         self, logits: torch.Tensor, meta: SamplingMetadata, step: StepInputs, drafts: list[list[int]]
@@ -440,3 +469,12 @@ class ModelRunner:
                 probs = torch.nn.functional.one_hot(ids, target.shape[1]).to(target.dtype)
             parts.append(probs[: len(d)].to(target.device, target.dtype))
         return torch.cat(parts)
+
+
+def _build_greedy_head(model: Any) -> GreedyHead | None:
+    """The model's screened greedy head when it offers one and ``$WARMCAP_EXACT_GREEDY_HEAD`` is
+    not "0"; built once, with the runner, so no serving step pays for it."""
+    build = getattr(model, "greedy_head", None)
+    if build is None or not greedy_head_enabled():
+        return None
+    return build()

@@ -1,0 +1,258 @@
+"""An exact greedy LM head: screen the vocabulary with a bf16 product, re-score a few in float32.
+
+A greedy step needs only each row's argmax, not the ``[N, V]`` float32 logits. The bf16 product
+with a oneDNN-packed bf16 copy of the head reads half the bytes and runs ~1.8x faster on a CPU with
+AVX512_BF16 (BENCHMARKS.md); its error is bounded, so it can rule out every token that cannot be
+the float32 argmax, and the few left are re-scored in float32.
+
+The bound. Let x be a hidden row, w_v a vocabulary row, n the hidden size, u = 2^-8 (bf16
+round-to-nearest), e = 2^-24 (float32), g_n = n e / (1 - n e), S_v = sum_i |x_i w_vi|.
+- The float32 logit z_v (any summation order, the full GEMM) is within g_n S_v of the exact dot
+  product.
+- The screen rounds x and w_v to bf16 (relative error u each), multiplies exactly (8-bit by 8-bit
+  significands fit float32), sums in float32 (g_n times (1+u)^2 S_v) and rounds the sum to bf16
+  (u times (1+g_n)(1+u)^2 S_v): z^_v is within (2u + u^2 + g_n (1+u)^2 + u (1+g_n)(1+u)^2) S_v of
+  the exact product.
+- So |z^_v - z_v| <= c S_v <= c ||x|| ||w_v|| (Cauchy-Schwarz), with
+  c = 2u + u^2 + 2 g_n (1+u)^2 + u (1+g_n)(1+u)^2, taken 2^-6 larger here to cover the float32
+  rounding of the norms and of the test below. AVX512_BF16 treats bf16 denormal inputs as zero and
+  flushes denormal results; each flush moves a sum by under 2^-126, which the absolute term
+  a = 2^-123 (2n + 1 + sqrt(n) (||x|| + max ||w||)) covers with room.
+- With b_v = c ||x|| ||w_v|| + a: z_u <= z^_u + b_u for all u, and z_v >= z^_v - b_v, so the
+  float32 argmax v* satisfies z^_v* + b_v* >= z_v* >= max_u z_u >= max_u (z^_u - b_u): v* lies in
+  C = {v : z^_v + b_v >= max_u (z^_u - b_u)}.
+
+The candidates of all rows are re-scored in float32 by the same oneDNN kernel the full head runs
+(their rows gathered and packed, one small product), and each row takes its first maximum among
+its own candidates; ids are ascending, so ties go to the lowest id as ``torch.argmax`` and
+``runner_v2/sampler.py``'s ``row_argmax`` break them.
+
+NOTE: exactness against the full float32 logits rests on the re-score rounding each dot product
+as the full GEMM does. oneDNN's packed float32 product of the gathered rows has been bit-equal to
+the full product's columns in every check (``tests/models/test_greedy_head.py`` asserts it); were
+a kernel to sum in another order, the two could disagree only between tokens whose float32 logits
+lie within 2 g_n S_v of each other (both are float32 roundings of the same real dot product), and
+the token chosen would still be one of them.
+
+Memory: the head keeps a bf16 copy of the weight (2 bytes per weight; 56.6 MB for SmolLM2's
+49152 x 576), float32 row norms and a 2 x 16-row float32 scratch (6.3 MB there); the float32
+weight used to re-score is the LM head's own parameter (shared with the tied embedding, never
+copied).
+
+``WARMCAP_EXACT_GREEDY_HEAD=0`` turns the screen off (every step computes the full logits).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from warmcap.models.packed_linear import PackedLinear, can_prepack
+
+#: environment switch: "0" computes the full logits on every step (the A/B peer)
+ENV_SWITCH = "WARMCAP_EXACT_GREEDY_HEAD"
+
+_U = 2.0**-8
+_E = 2.0**-24
+_SAFETY = 1.0 + 2.0**-6
+# Hidden rows whose norm falls outside this range take the full logits: below it the bound's float32
+# arithmetic would underflow, above it the logits could overflow (the engine's non-finite check then
+# sees them, as without the screen).
+_MIN_NORM = 2.0**-60
+_MAX_BOUND = 2.0**100
+#: :attr:`GreedyHead.max_candidates` never goes below this (small vocabularies re-score whole)
+_MIN_CANDIDATE_LIMIT = 512
+#: rows screened per pass over the vocabulary (bounds the scratch to 2 x _CHUNK x V float32)
+_CHUNK = 16
+
+
+def enabled() -> bool:
+    """Whether ``$WARMCAP_EXACT_GREEDY_HEAD`` leaves the screened head on (it is unless "0")."""
+    return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+
+
+def bound_coefficient(hidden_size: int) -> float:
+    """c of the module docstring for hidden size n, with the safety factor applied."""
+    n = hidden_size
+    g = n * _E / (1 - n * _E)
+    c = 2 * _U + _U * _U + 2 * g * (1 + _U) ** 2 + _U * (1 + g) * (1 + _U) ** 2
+    return c * _SAFETY
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _full_precision_matmul() -> bool:
+    # NOTE: a float32 GEMM allowed to run in bf16 breaks the bound's premise.
+    return torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee")
+
+
+@contextmanager
+def _serial() -> Iterator[None]:
+    """Run the block's ops on the calling thread only. The screen's passes after the GEMM are
+    memory-light and many: each parallel region is a barrier, and with the cores shared (or
+    oversubscribed) a barrier waits for a descheduled thread (measured 2.5x slower at 2 threads
+    under load, BENCHMARKS.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True, slots=True)
+class Screen:
+    """The candidates of a batch of rows: ``ids`` ascending (the union over rows) and ``member``
+    ``[M, K]``, whether ``ids[k]`` is a candidate of row m."""
+
+    ids: torch.Tensor
+    member: torch.Tensor
+
+    @property
+    def per_row(self) -> torch.Tensor:
+        """How many candidates each row has, int64 ``[M]``."""
+        return self.member.sum(dim=1)
+
+
+@dataclass(eq=False, slots=True)
+class GreedyHead:
+    """The argmax of ``lm_head(x)`` per row, exactly, from a bf16 screen and a float32 re-score.
+
+    Built by :meth:`build` over a float32 :class:`~warmcap.models.packed_linear.PackedLinear` head;
+    :meth:`argmax` gives None whenever the full logits must be computed instead (see there).
+    """
+
+    head: nn.Module
+    #: oneDNN-packed bf16 copy of the head's weight
+    screen_weight: torch.Tensor
+    #: float32 ``[V]``: ||w_v||, rounded up
+    row_norms: torch.Tensor
+    max_norm: float
+    coefficient: float
+    hidden_size: int
+    #: float32 ``[2, _CHUNK, V]`` scratch of :meth:`screen`, made on first use
+    work: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, head: nn.Module) -> GreedyHead | None:
+        """The screened head of ``head``, or None where it cannot be exact or fast: not a packed
+        float32 CPU linear without bias, no oneDNN bf16, or a weight with NaN/Inf."""
+        if type(head) is not PackedLinear or head.group is not None or head.bias is not None:
+            return None
+        weight = head.weight.detach()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        if not (can_prepack() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return None
+        # float64 norms never under- or overflow for float32 rows; rounded up so b_v only grows.
+        norms = weight.double().norm(dim=1).mul_(1 + 2.0**-20).float()
+        max_norm = float(norms.max()) if norms.numel() else 0.0
+        if not math.isfinite(max_norm):
+            return None
+        screen_weight = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
+        return cls(
+            head=head,
+            screen_weight=screen_weight,
+            row_norms=norms,
+            max_norm=max_norm,
+            coefficient=bound_coefficient(weight.shape[1]),
+            hidden_size=weight.shape[1],
+        )
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 ``[V, H]`` weight re-scored against: the head's own parameter."""
+        return self.head.weight.detach()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the screen adds beside the head: the bf16 copy, the norms and the scratch."""
+        return self.weight.numel() * 2 + self.row_norms.numel() * 4 * (1 + 2 * _CHUNK)
+
+    @property
+    def max_candidates(self) -> int:
+        """Past this many candidates (over all rows) :meth:`argmax` leaves the step to the full
+        logits: re-scoring an eighth of a large vocabulary costs what the screen saves."""
+        return max(self.row_norms.numel() // 8, _MIN_CANDIDATE_LIMIT)
+
+    def usable(self) -> bool:
+        """Whether the head still computes as when this was built (a packed float32 linear with
+        full-precision GEMMs); the benchmark's peers unpack linears after load."""
+        return type(self.head) is PackedLinear and self.head.group is None and _full_precision_matmul()
+
+    def screen(self, x: torch.Tensor) -> Screen | None:
+        """The candidate set C of each row of ``x`` ``[M, H]`` float32; None when a row is
+        non-finite or its norm is out of the bound's range."""
+        norms = x.double().norm(dim=1)
+        lowest, highest = (float(v) for v in norms.aminmax())
+        if not (lowest >= _MIN_NORM and highest * self.max_norm <= _MAX_BOUND):
+            return None
+        n = self.hidden_size
+        scale = (norms * (1 + 2.0**-20)).float()
+        cx = (scale * self.coefficient).unsqueeze(1)
+        absolute = (2.0**-123 * (2 * n + 1 + math.sqrt(n) * (scale + self.max_norm))).unsqueeze(1)
+        approx = _linear(x.bfloat16(), self.screen_weight)
+        with _serial():
+            lo = torch.empty_like(cx)
+            slack = torch.full_like(self.row_norms, float("-inf"))
+            for start in range(0, x.shape[0], _CHUNK):
+                rows = slice(start, start + _CHUNK)
+                self._chunk_bounds(approx[rows], cx[rows], absolute[rows], lo[rows], slack)
+            ids = (slack >= 0).nonzero().squeeze(1)
+            member = torch.addcmul(approx[:, ids].float(), cx, self.row_norms[ids]) >= lo
+        return Screen(ids=ids, member=member)
+
+    def _chunk_bounds(
+        self,
+        approx: torch.Tensor,
+        cx: torch.Tensor,
+        absolute: torch.Tensor,
+        lo: torch.Tensor,
+        slack: torch.Tensor,
+    ) -> None:
+        """For rows ``approx`` (bf16 ``[m, V]``, m <= _CHUNK): ``lo`` = max_u (z^_u - b_u) less
+        both absolute terms, and ``slack`` raised to max over the rows of z^_v + c||x|| ||w_v|| - lo;
+        v is a candidate of a row iff its own slack is >= 0."""
+        m = approx.shape[0]
+        work = self._workspace()
+        z, tmp = work[0, :m], work[1, :m]
+        # NOTE: into preallocated buffers: a fresh [m, V] float32 result each step costs more in
+        # page faults than the arithmetic (measured ~1 ms per 3 MB on one thread).
+        z.copy_(approx)
+        torch.addcmul(z, cx, self.row_norms, value=-1.0, out=tmp)
+        torch.amax(tmp, dim=1, keepdim=True, out=lo)
+        lo -= 2 * absolute
+        torch.addcmul(z, cx, self.row_norms, out=tmp).sub_(lo)
+        torch.maximum(slack, tmp.amax(dim=0), out=slack)
+
+    def _workspace(self) -> torch.Tensor:
+        if self.work is None:
+            self.work = torch.empty(2, _CHUNK, self.row_norms.numel())
+        return self.work
+
+    def rescore(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[M, K]`` of the vocabulary rows ``ids``, by the kernel the full head
+        runs (its rows gathered and packed)."""
+        rows = self.weight.index_select(0, ids)
+        return _linear(x, torch.ops.mkldnn._reorder_linear_weight(rows, None))
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``row_argmax(lm_head(x))`` int64 ``[M]`` without the full logits; None when the full
+        logits must be computed: the head changed (:meth:`usable`), a row is non-finite or out
+        of range, or the candidates are too many for the screen to pay."""
+        if not self.usable():
+            return None
+        screen = self.screen(x)
+        if screen is None or screen.ids.numel() > self.max_candidates:
+            return None
+        with _serial():
+            logits = self.rescore(x, screen.ids).masked_fill_(~screen.member, float("-inf"))
+            return screen.ids[logits.argmax(dim=1)]
