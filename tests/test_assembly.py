@@ -170,3 +170,19 @@ def test_smollm2_plan_from_its_config_alone_equals_assembly_over_its_loaded_weig
     assert planned == loaded
     assert planned.config.max_model_len == hf_config.max_position_embeddings
     assert planned.num_blocks == int(300 * per_block * config.cache.memory_fraction) // per_block
+
+
+def test_kv_sizing_counts_the_screened_greedy_head_the_runner_builds(monkeypatch) -> None:
+    """The pool is sized around the target's screened head (``models/greedy_head.py``): the bytes
+    counted for a model on the meta device are the bytes the loaded engine's head holds."""
+    config = build_config("tiny-llama", device="cpu", max_num_seqs=4)
+    engine = LLMEngine(config)
+    head = engine.runner.greedy_head
+    assert head is not None
+    meta, _ = meta_model(engine.model_path, engine.config)
+    cpu = torch.device("cpu")
+    counted = resident_bytes(engine.config, cpu, meta)
+    assert counted == resident_bytes(engine.config, cpu, engine.model)
+    monkeypatch.setenv("WARMCAP_EXACT_GREEDY_HEAD", "0")
+    assert counted - resident_bytes(engine.config, cpu, meta) == head.nbytes > 0
+    engine.shutdown()

@@ -109,13 +109,19 @@ def assemble(
     return Assembly(config=config, kv_groups=groups, num_blocks=num_blocks)
 
 
-def resident_bytes(config: EngineConfig, device: torch.device, *modules: nn.Module | None) -> int:
-    """What ``modules`` hold in memory once loaded on ``device``: their weights, plus the packed
-    copy each CPU linear keeps beside its weight (``models/packed_linear.py``); left out, the KV
-    pool would be sized into memory the process already uses."""
-    present = [m for m in modules if m is not None]
-    packed = prepacked_bytes(present, device, batch_invariant=config.model.batch_invariant)
-    return weight_bytes(*present) + packed
+def resident_bytes(
+    config: EngineConfig, device: torch.device, model: nn.Module | None, *drafters: nn.Module | None
+) -> int:
+    """What the target ``model`` and the ``drafters``' modules hold in memory once loaded on
+    ``device``: their weights, plus the packed copy each CPU linear keeps beside its weight
+    (``models/packed_linear.py``) and the target's screened greedy head (``models/greedy_head.py``);
+    left out, the KV pool would be sized into memory the process already uses."""
+    present = [m for m in (model, *drafters) if m is not None]
+    invariant = config.model.batch_invariant
+    packed = prepacked_bytes(present, device, batch_invariant=invariant)
+    head_bytes = getattr(model, "greedy_head_bytes", None)
+    screen = head_bytes(device, batch_invariant=invariant) if head_bytes is not None else 0
+    return weight_bytes(*present) + packed + screen
 
 
 def drafter_modules(drafter: Any) -> list[nn.Module]:

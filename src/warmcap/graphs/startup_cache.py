@@ -80,10 +80,12 @@ def startup_cache_dir() -> Path:
 
 @cache
 def source_digest() -> str:
-    """sha256 over the path and bytes of every source and data file of the ``warmcap`` package."""
+    """sha256 over the path and bytes of every source and data file of the ``warmcap`` package, the
+    C kernels' sources included (``runner_v2/attention/cpu_kernels``: their numbers are verdicts'
+    inputs too)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json", ".c") and p.is_file()):
         h.update(str(path.relative_to(root)).encode())
         h.update(b"\0")
         h.update(path.read_bytes())

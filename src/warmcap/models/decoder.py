@@ -16,8 +16,10 @@ from torch import nn
 
 from warmcap.contracts.parallel import parallel_state
 from warmcap.errors import ModelLoadError
-from warmcap.models.greedy_head import GreedyHead
+from warmcap.models.greedy_head import GreedyHead, can_screen, screen_bytes
+from warmcap.models.greedy_head import enabled as greedy_head_enabled
 from warmcap.models.layers import RMSNorm, lm_head, vocab_embedding
+from warmcap.models.packed_linear import PackedLinear
 
 if TYPE_CHECKING:
     from warmcap.contracts.forward_context import ForwardContext
@@ -180,6 +182,25 @@ class DecoderForCausalLM(nn.Module):
         if type(self).compute_logits is not DecoderForCausalLM.compute_logits:
             return None
         return GreedyHead.build(self.lm_head)
+
+    def greedy_head_bytes(self, device: torch.device | str, *, batch_invariant: bool) -> int:
+        """What :meth:`greedy_head` will hold once this model is loaded on ``device`` and packed,
+        decided by the rules of that build and of ``prepack_linears`` (not by what exists now), so a
+        model on the meta device and the loaded one give the same number: KV sizing counts it
+        (``assembly.resident_bytes``)."""
+        head = self.lm_head
+        if (
+            batch_invariant
+            or torch.device(device).type != "cpu"
+            or not greedy_head_enabled()
+            or type(self).compute_logits is not DecoderForCausalLM.compute_logits
+            or type(head) not in (nn.Linear, PackedLinear)
+            or head.bias is not None
+            or head.weight.dtype != torch.float32
+            or not can_screen()
+        ):
+            return 0
+        return screen_bytes(*head.weight.shape)
 
 
 def check_tensor_parallel(cls: type[nn.Module], world_size: int | None = None) -> None:

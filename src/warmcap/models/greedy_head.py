@@ -72,6 +72,17 @@ _MIN_CANDIDATE_LIMIT = 512
 _CHUNK = 16
 
 
+def screen_bytes(vocab_size: int, hidden_size: int) -> int:
+    """What a :class:`GreedyHead` over a ``[vocab_size, hidden_size]`` head holds beside it: the bf16
+    copy, the float32 row norms and the ``[2, _CHUNK, V]`` scratch."""
+    return vocab_size * hidden_size * 2 + vocab_size * 4 * (1 + 2 * _CHUNK)
+
+
+def can_screen() -> bool:
+    """Whether this torch build packs bf16 weights for oneDNN's GEMM on this CPU."""
+    return can_prepack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def enabled() -> bool:
     """Whether ``$WARMCAP_EXACT_GREEDY_HEAD`` leaves the screened head on (it is unless "0")."""
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
@@ -150,7 +161,7 @@ class GreedyHead:
         weight = head.weight.detach()
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
-        if not (can_prepack() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        if not can_screen():
             return None
         # float64 norms never under- or overflow for float32 rows; rounded up so b_v only grows.
         norms = weight.double().norm(dim=1).mul_(1 + 2.0**-20).float()
@@ -175,7 +186,7 @@ class GreedyHead:
     @property
     def nbytes(self) -> int:
         """Memory the screen adds beside the head: the bf16 copy, the norms and the scratch."""
-        return self.weight.numel() * 2 + self.row_norms.numel() * 4 * (1 + 2 * _CHUNK)
+        return screen_bytes(*self.weight.shape)
 
     @property
     def max_candidates(self) -> int:
