@@ -170,7 +170,9 @@ class LLMEngine:
             self.kv_groups,
             self.num_blocks,
             device=self.device,
-            attn_backend=select_backend(self.device, name=config.model.attention_backend),
+            attn_backend=select_backend(
+                self.device, name=config.model.attention_backend, batch_invariant=config.model.batch_invariant
+            ),
             drafter=self.drafter,
         )
         self.spec_metrics = SpecDecodeMetrics()

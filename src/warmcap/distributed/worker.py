@@ -106,7 +106,9 @@ def build_rank(
         assembly.kv_groups,
         num_blocks,
         device=device,
-        attn_backend=select_backend(device, name=config.model.attention_backend),
+        attn_backend=select_backend(
+            device, name=config.model.attention_backend, batch_invariant=config.model.batch_invariant
+        ),
         drafter=drafter,
         channel=channel,
     )

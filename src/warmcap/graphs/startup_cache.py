@@ -44,7 +44,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +51,7 @@ import torch
 
 from warmcap.graphs.graph_safety import GraphSafety
 from warmcap.graphs.verify import GraphCheck
+from warmcap.source import source_digest
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -76,21 +76,6 @@ def startup_cache_dir() -> Path:
     from warmcap.models.presets import cache_dir
 
     return cache_dir() / "startup"
-
-
-@cache
-def source_digest() -> str:
-    """sha256 over the path and bytes of every source and data file of the ``warmcap`` package, the
-    C kernels' sources included (``runner_v2/attention/cpu_kernels``: their numbers are verdicts'
-    inputs too)."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json", ".c") and p.is_file()):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(b"\0")
-        h.update(path.read_bytes())
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def model_fingerprint(model_dir: Path) -> str:

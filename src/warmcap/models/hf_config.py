@@ -7,10 +7,11 @@ for a few dozen numbers. So the config warmcap hands around is an :class:`HFConf
 non-callable attribute of what ``AutoConfig`` returned (properties and class attributes included,
 ``attribute_map`` renames honoured), as plain values. Cold and warm starts get the same type.
 
-The values are cached as JSON under the start-up cache (``configs/`` in
-:func:`~warmcap.graphs.startup_cache.startup_cache_dir`), keyed by the bytes of ``config.json``, the
-installed transformers version and warmcap's own source digest: a warm start reads them back
-without importing transformers for the config. A config holding anything but JSON values, tuples
+The values are cached as JSON in the warmcap cache (``configs/`` under
+:func:`~warmcap.models.presets.cache_dir`, beside the converted models and the compiled kernels),
+keyed by the model directory, the bytes of ``config.json``, the installed transformers version and
+warmcap's own source digest: a later start reads them back without importing transformers for the
+config. A config holding anything but JSON values, tuples
 and torch dtypes (a nested sub-config, say) is returned as ``AutoConfig`` gave it, uncached.
 """
 
@@ -27,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from warmcap.models.presets import cache_dir
+from warmcap.source import source_digest
 
 log = logging.getLogger("warmcap.models")
 
@@ -147,8 +151,6 @@ def _plain_values(config: Any) -> dict[str, Any] | None:
 
 def _key(config_bytes: bytes) -> str:
     """``config_bytes``: the config's identity (its directory and ``config.json`` bytes)."""
-    from warmcap.graphs.startup_cache import source_digest
-
     h = hashlib.sha256()
     for part in (config_bytes, metadata.version("transformers").encode(), source_digest().encode()):
         h.update(hashlib.sha256(part).digest())
@@ -156,9 +158,7 @@ def _key(config_bytes: bytes) -> str:
 
 
 def _cache_file(config_bytes: bytes) -> Path:
-    from warmcap.graphs.startup_cache import startup_cache_dir
-
-    return startup_cache_dir() / "configs" / f"{_key(config_bytes)}.json"
+    return cache_dir() / "configs" / f"{_key(config_bytes)}.json"
 
 
 def cached_config(config_bytes: bytes) -> HFConfig | None:

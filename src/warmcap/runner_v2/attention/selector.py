@@ -24,8 +24,11 @@ def flashinfer_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 
 
-def select_backend(device: str | torch.device, *, name: str = "auto") -> AttentionBackend:
-    """The attention backend ``name`` (``auto``: FlashInfer on CUDA when available, torch otherwise)."""
+def select_backend(
+    device: str | torch.device, *, name: str = "auto", batch_invariant: bool = False
+) -> AttentionBackend:
+    """The attention backend ``name`` (``auto``: FlashInfer on CUDA when available, torch otherwise);
+    ``batch_invariant``: the torch backend keeps gather + SDPA on every step (no CPU kernel)."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention backend {name!r} is unknown; use one of {', '.join(BACKEND_NAMES)}")
     on_cuda = torch.device(device).type == "cuda"
@@ -38,7 +41,7 @@ def select_backend(device: str | torch.device, *, name: str = "auto") -> Attenti
         from warmcap.runner_v2.attention.flashinfer import FlashInferAttention
 
         return FlashInferAttention(torch.device(device))
-    return TorchPagedAttention(device)
+    return TorchPagedAttention(device, batch_invariant=batch_invariant)
 
 
 def backend_registry(attention: AttentionBackend) -> BackendRegistry:

@@ -271,12 +271,14 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
     supports_full_graph = True
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, *, batch_invariant: bool = False) -> None:
         """``device``: a CPU device builds the kernel now (engine start-up) rather than on the
-        first CPU step."""
+        first CPU step. ``batch_invariant``: never use the kernel. Which path a step takes depends
+        on its longest query span, so a row's numbers would depend on the batch around it; gather +
+        SDPA gives every row the same numbers in any batch (``models/batch_invariant.py``)."""
         self._plans: OrderedDict[int, StepPlan] = OrderedDict()
         self._kernel: PagedAttentionKernel | None = None
-        self._kernel_loaded = False
+        self._kernel_loaded = batch_invariant
         if device is not None and torch.device(device).type == "cpu":
             self._cpu_kernel()
 
