@@ -179,9 +179,13 @@ class DecoderForCausalLM(nn.Module):
         """The exact screened argmax of :meth:`compute_logits` (``models/greedy_head.py``), built
         now; None where it does not apply: a family whose logits are more than ``lm_head(hidden)``,
         or a head that is not a packed float32 CPU linear (batch-invariant, tensor-parallel, GPU)."""
-        if type(self).compute_logits is not DecoderForCausalLM.compute_logits:
+        if not self._logits_are_the_head():
             return None
         return GreedyHead.build(self.lm_head)
+
+    def _logits_are_the_head(self) -> bool:
+        """:meth:`compute_logits` is ``lm_head(hidden)`` itself (not overridden by the family)."""
+        return type(self).compute_logits is DecoderForCausalLM.compute_logits
 
     def greedy_head_bytes(self, device: torch.device | str, *, batch_invariant: bool) -> int:
         """What :meth:`greedy_head` will hold once this model is loaded on ``device`` and packed,
@@ -193,7 +197,7 @@ class DecoderForCausalLM(nn.Module):
             batch_invariant
             or torch.device(device).type != "cpu"
             or not greedy_head_enabled()
-            or type(self).compute_logits is not DecoderForCausalLM.compute_logits
+            or not self._logits_are_the_head()
             or type(head) not in (nn.Linear, PackedLinear)
             or head.bias is not None
             or head.weight.dtype != torch.float32

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def kernels_dir() -> Path:
     return cache_dir() / "kernels"
 
 
+@cache
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -53,7 +55,9 @@ def _cpu_flags() -> str:
     return ""
 
 
+@cache
 def _compiler_version(cc: str) -> str:
+    # Cached per compiler: every backend built in a process asks (a failure is not cached).
     try:
         done = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
