@@ -275,7 +275,7 @@ class GraphCapturer:
 def _allocate(layout: OutputLayout, device: torch.device) -> Outputs:
     """Zeroed static outputs in ``layout`` on ``device``."""
 
-    def empty(t: TensorLayout) -> torch.Tensor:
+    def zeros(t: TensorLayout) -> torch.Tensor:
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
-    return empty(layout.output), [empty(a) for a in layout.aux]
+    return zeros(layout.output), [zeros(a) for a in layout.aux]

@@ -175,7 +175,7 @@ def cached_config(config_bytes: bytes) -> HFConfig | None:
     try:
         if data["version"] != CACHE_VERSION:
             return None
-        return HFConfig({k: _decode(v) for k, v in data["values"].items()})
+        return from_values(data["values"])
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         log.warning("config cache entry %s is corrupt (%s): ignored, it will be rebuilt", path, e)
         return None
@@ -198,4 +198,5 @@ def store_config(config_bytes: bytes, values: dict[str, Any]) -> None:
 
 
 def from_values(values: dict[str, Any]) -> HFConfig:
+    """The :class:`HFConfig` of values in the JSON form :func:`plain_values` gives."""
     return HFConfig({k: _decode(v) for k, v in values.items()})
