@@ -9,7 +9,7 @@ with the step's plan already derived, as every layer after a step's first finds 
 the same KV write and the kernel called directly, at every query length (past ``MAX_QUERY_LEN`` too).
 The two alternate batch by batch. Prints microseconds per call (median and best of ``--repeats``
 timed batches) for each query length: where
-the kernel stops winning sets ``MAX_QUERY_LEN`` in ``runner_v2/attention/cpu_kernels/paged_attention.py``.
+the kernel stops winning sets ``MAX_QUERY_LEN`` in ``cpu_kernels/paged_attention.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from warmcap.contracts import AttentionMetadata
-from warmcap.runner_v2.attention.cpu_kernels.paged_attention import KernelInputs, load_paged_attention
+from warmcap.cpu_kernels.paged_attention import KernelInputs, load_paged_attention
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention, sink_slots, write_kv_slots
 
 BLOCK_SIZE = 16

@@ -1,7 +1,8 @@
 """The package's layering, read from the source's AST (function-local imports included).
 
-The layers, lowest first: ``errors``/``config``/``sampling_params`` -> ``core`` -> ``contracts`` ->
-``models`` and ``runner_v2`` -> ``drafters`` -> ``warmup``/``graphs`` -> ``engine`` -> ``serve``/``cli``.
+The layers, lowest first: ``errors``/``config``/``sampling_params``/``paths`` -> ``core`` -> ``contracts``
+-> ``cpu_kernels`` -> ``models`` and ``runner_v2`` -> ``drafters`` -> ``warmup``/``graphs`` -> ``engine`` ->
+``serve``/``cli``.
 A module may import its own layer or lower ones. Imports under ``if TYPE_CHECKING:`` are type-only:
 they may not point upwards either, but they do not make a runtime cycle.
 """
@@ -24,8 +25,10 @@ _ABOVE_RUNNER = frozenset(
 )
 FORBIDDEN: dict[str, frozenset[str]] = {
     # core is held tighter still by CORE_ALLOWED below.
-    "core": _ABOVE_RUNNER | {"contracts", "models", "runner_v2"},
-    "contracts": _ABOVE_RUNNER | {"models", "runner_v2"},
+    "core": _ABOVE_RUNNER | {"contracts", "cpu_kernels", "models", "runner_v2"},
+    "contracts": _ABOVE_RUNNER | {"models", "runner_v2", "cpu_kernels"},
+    # The compiled CPU kernels serve both models (layer ops) and runner_v2 (attention).
+    "cpu_kernels": _ABOVE_RUNNER | {"models", "runner_v2"},
     # Models read the tensor-parallel facts from contracts.parallel, never the package that starts ranks.
     "models": _ABOVE_RUNNER | {"runner_v2"},
     "runner_v2": _ABOVE_RUNNER,

@@ -17,7 +17,7 @@ SOURCE_SUFFIXES = (".py", ".json", ".c")
 @cache
 def source_digest() -> str:
     """sha256 over the path and bytes of every source and data file of the ``warmcap`` package, the
-    C kernels' sources included (``runner_v2/attention/cpu_kernels``: their numbers are verdicts'
+    C kernels' sources included (``cpu_kernels``: their numbers are verdicts'
     inputs too)."""
     root = Path(__file__).resolve().parent
     h = hashlib.sha256()

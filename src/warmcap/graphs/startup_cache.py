@@ -73,7 +73,7 @@ def startup_cache_dir() -> Path:
     moved = os.environ.get(CACHE_ENV)
     if moved:
         return Path(moved).expanduser()
-    from warmcap.models.presets import cache_dir
+    from warmcap.paths import cache_dir
 
     return cache_dir() / "startup"
 

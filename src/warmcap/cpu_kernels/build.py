@@ -19,10 +19,21 @@ from importlib import resources
 from pathlib import Path
 
 from warmcap.errors import WarmcapError
-from warmcap.models.presets import cache_dir
+from warmcap.paths import cache_dir
 
 #: ``-ffast-math`` stays out on purpose: the kernels rely on IEEE NaN/inf and an accurate ``expf``.
 COMPILE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+#: flags of one source on top of :data:`COMPILE_FLAGS`
+EXTRA_FLAGS: dict[str, tuple[str, ...]] = {
+    # RoPE must round as torch's separate mul and add do: no fused multiply-add.
+    "layer_ops.c": ("-ffp-contract=off",),
+}
+
+
+def flags_of(source: str) -> tuple[str, ...]:
+    """Every flag ``source`` is compiled with."""
+    return COMPILE_FLAGS + EXTRA_FLAGS.get(source, ())
+
 
 _STDERR_TAIL = 2000
 
@@ -78,7 +89,7 @@ def library_path(source: str, cc: str) -> Path:
     digest = hashlib.sha256()
     for part in (
         text,
-        " ".join(COMPILE_FLAGS).encode(),
+        " ".join(flags_of(source)).encode(),
         _compiler_version(cc).encode(),
         _cpu_flags().encode(),
     ):
@@ -94,7 +105,10 @@ def _compile(source: str, cc: str, target: Path) -> None:
     try:
         with resources.as_file(resources.files(__package__).joinpath(source)) as src:
             done = subprocess.run(
-                [cc, *COMPILE_FLAGS, str(src), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
+                [cc, *flags_of(source), str(src), "-o", tmp, "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
         if done.returncode != 0:
             raise KernelBuildError(

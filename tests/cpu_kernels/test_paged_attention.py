@@ -18,15 +18,16 @@ from hypothesis import strategies as st
 
 from paged_metadata import paged_metadata
 from warmcap.contracts import PAD_SLOT_ID
-from warmcap.errors import ConfigError
-from warmcap.runner_v2.attention import torch_paged
-from warmcap.runner_v2.attention.cpu_kernels import build
-from warmcap.runner_v2.attention.cpu_kernels.paged_attention import (
+from warmcap.cpu_kernels import build
+from warmcap.cpu_kernels.paged_attention import (
     ENV,
     MAX_QUERY_LEN,
+    KernelInputs,
     PagedAttentionKernel,
     load_paged_attention,
 )
+from warmcap.errors import ConfigError
+from warmcap.runner_v2.attention import torch_paged
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 
 
@@ -204,12 +205,12 @@ def test_one_openmp_runtime_is_mapped_after_the_kernel_runs_on_two_threads():
         """
         import json
         import torch
-        from warmcap.runner_v2.attention.cpu_kernels.paged_attention import load_paged_attention
+        from warmcap.cpu_kernels.paged_attention import load_paged_attention
         from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
         assert load_paged_attention() is not None
         torch.set_num_threads(2)
         torch.randn(256, 256) @ torch.randn(256, 256)
-        from test_cpu_paged_kernel import make_step
+        from test_paged_attention import make_step
         q, k, v, cache, meta = make_step(0, [(30, 1), (40, 1)], pad_rows=0, pad_tokens=0, num_kv_heads=2,
             group=3, head_dim=64, block_size=16, window=None, share=False)
         TorchPagedAttention("cpu").forward(q, k, v, cache, meta, scale=0.125)
@@ -218,7 +219,7 @@ def test_one_openmp_runtime_is_mapped_after_the_kernel_runs_on_two_threads():
         """
     )
     here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent.parent), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), *sys.path])}
     env.pop(ENV, None)
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
@@ -227,6 +228,58 @@ def test_one_openmp_runtime_is_mapped_after_the_kernel_runs_on_two_threads():
     libs = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(libs) == 1 and Path(libs[0]).name.startswith("libgomp"), libs
     assert "torch" in libs[0], f"the kernel brought its own OpenMP runtime: {libs}"
+
+
+@pytest.mark.parametrize("rows", [[(40, 1)], [(30, 1), (45, 2), (12, 1)]])
+def test_the_threads_split_the_work_without_changing_a_bit(rows):
+    """One row at two threads splits by KV head, three rows split by row; one thread does either in
+    one task: every head's arithmetic is the same, so the outputs are equal bit for bit."""
+    q, k, v, cache, meta = make_step(
+        5,
+        rows,
+        pad_rows=0,
+        pad_tokens=0,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        block_size=16,
+        window=None,
+        share=False,
+    )
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(KERNEL.forward(q, k, v, cache.clone(), meta, scale=0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written():
+    q, k, v, cache, meta = make_step(
+        6,
+        [(20, 1), (33, 1)],
+        pad_rows=0,
+        pad_tokens=0,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        block_size=16,
+        window=None,
+        share=False,
+    )
+    kernel = load_paged_attention()
+    assert kernel is not None
+    blocks, block_size = cache.shape[1], cache.shape[2]
+    slots = torch.tensor([3, blocks * block_size])  # the second is one past the last slot
+    before = cache.clone()
+    inputs = KernelInputs.of(meta)
+    with pytest.raises(RuntimeError, match="a KV write slot outside the cache"):
+        kernel(q, cache, inputs, scale=0.125, window=None, new_kv=(k, v, slots))
+    assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0)), "nothing may be written"
 
 
 def _step_for_fallback():

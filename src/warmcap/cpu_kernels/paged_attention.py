@@ -1,8 +1,8 @@
 """The compiled CPU paged-attention kernel (``paged_attention.c``): its binding and when it is used.
 
-``WARMCAP_CPU_ATTENTION`` picks the CPU attention path: ``auto`` (default) uses the kernel when it
-builds and falls back to gather + SDPA with one warning when it does not; ``torch`` always uses
-gather + SDPA; ``kernel`` requires the kernel and fails start-up when it cannot be built.
+``WARMCAP_CPU_ATTENTION`` picks the CPU attention path (:mod:`.policy`): ``auto`` (default) uses the
+kernel when it builds and falls back to gather + SDPA with one warning when it does not; ``torch``
+always uses gather + SDPA; ``kernel`` requires the kernel and fails start-up when it cannot be built.
 
 NOTE: the library is built with ``-fopenmp`` and needs ``libgomp.so.1``. torch is imported before it
 is loaded (this module imports torch), so the dynamic linker resolves that soname to the copy torch's
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
+from warmcap.cpu_kernels.build import KernelBuildError, load_library
+from warmcap.cpu_kernels.policy import Mode, kernel_mode
 from warmcap.errors import ConfigError
-from warmcap.runner_v2.attention.cpu_kernels.build import KernelBuildError, load_library
 
 if TYPE_CHECKING:
     from warmcap.contracts.metadata import AttentionMetadata
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmcap.attention")
 
 ENV = "WARMCAP_CPU_ATTENTION"
-Mode = Literal["auto", "torch", "kernel"]
-MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
 
 #: Longest query span per row the kernel serves (decode 1, spec-verify k + 1 up to k = 3). It computes
 #: every query on its own, so its cost grows with the span, while SDPA's flash kernel amortises its
@@ -41,6 +39,7 @@ _STATUS = {
     1: "a shape or sequence length past the block table",
     2: "a block id outside the cache",
     3: "no memory",
+    4: "a KV write slot outside the cache",
 }
 
 _i32 = ctypes.c_int32
@@ -66,15 +65,20 @@ _ARGTYPES = [
     _i32,  # window (0: none)
     ctypes.c_float,  # scale
     _i32,  # threads
+    _ptr,  # k to write (NULL: written already)
+    _i64,  # k token stride
+    _i64,  # k head stride
+    _ptr,  # v to write
+    _i64,  # v token stride
+    _i64,  # v head stride
+    _ptr,  # write slots, int64
+    _i64,  # tokens to write
 ]
 
 
 def cpu_attention_mode() -> Mode:
     """The CPU attention path asked for by ``$WARMCAP_CPU_ATTENTION`` (``auto`` when unset)."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ConfigError(f"{ENV}={value!r} is not a CPU attention path; use one of {', '.join(MODES)}")
-    return value  # type: ignore[return-value]
+    return kernel_mode(ENV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,11 @@ class PagedAttentionKernel:
 
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
 
+    @staticmethod
+    def can_write(k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the kernel can write these keys and values itself (float32, unit stride in D)."""
+        return k.dtype == v.dtype == torch.float32 and k.stride(-1) == 1 and v.stride(-1) == 1
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -109,11 +118,14 @@ class PagedAttentionKernel:
         *,
         scale: float,
         window: int | None,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """[T, Hq, D] attention output for queries ``q`` [T, Hq, D]; padded tokens give zeros.
 
-        ``kv_cache`` is ``[2, num_blocks + 1, block_size, Hkv, D]`` float32, contiguous, on CPU, with
-        this step's keys and values already written.
+        ``kv_cache`` is ``[2, num_blocks + 1, block_size, Hkv, D]`` float32, contiguous, on CPU.
+        ``new_kv`` = (k, v, slots): this step's keys and values ``[T, Hkv, D]`` (:meth:`can_write`),
+        written at ``slots`` [T] (every one a slot of the cache) before any query reads the cache,
+        in token order; None when they are written already.
         """
         if q.dtype != torch.float32:
             q = q.float()
@@ -123,6 +135,23 @@ class PagedAttentionKernel:
         _, blocks, block_size, hkv, _ = kv_cache.shape
         out = torch.empty((t, hq, d), dtype=torch.float32)
         table = inputs.block_table
+        if new_kv is None:
+            write: tuple[int, ...] = (0, 0, 0, 0, 0, 0, 0, 0)
+        else:
+            k, v, slots = new_kv
+            if not self.can_write(k, v):
+                raise ValueError(
+                    f"the kernel writes float32 K/V with unit stride in D; got {k.dtype}, {v.dtype}"
+                )
+            if k.shape != v.shape or k.shape[0] != slots.shape[0] or tuple(k.shape[1:]) != (hkv, d):
+                raise ValueError(
+                    f"K/V to write must be [T, {hkv}, {d}] alike with one slot per token; "
+                    f"got k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}"
+                )
+            if slots.dtype != torch.int64 or not slots.is_contiguous():
+                slots = slots.to(torch.int64).contiguous()
+            write = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1))
+            write += (slots.data_ptr(), k.shape[0])
         status = self.fn(
             out.data_ptr(),
             q.data_ptr(),
@@ -143,6 +172,7 @@ class PagedAttentionKernel:
             window or 0,
             scale,
             torch.get_num_threads(),
+            *write,
         )
         if status != 0:
             raise RuntimeError(f"CPU paged attention failed: {_STATUS.get(status, f'status {status}')}")

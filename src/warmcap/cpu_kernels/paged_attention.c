@@ -1,0 +1,325 @@
+/*
+ * Paged attention on CPU over warmcap's KV cache, reading each key and value in its page.
+ *
+ * Layout (runner_v2/kv_cache.py): kv_cache is [2, num_blocks + 1, block_size, Hkv, D] float32,
+ * contiguous; the last block is the sink, which no block table names. Query i of row r
+ * (query length qlen = qsl[r + 1] - qsl[r]) sits at position seq_len - qlen + i and attends to
+ * keys [max(0, pos - window + 1), pos] (window <= 0: no limit). Query head h reads KV head
+ * h / (Hq / Hkv). Tokens of no position (pos < 0: rows of seq_len 0) and tokens past qsl[R]
+ * (padding) get zeros.
+ *
+ * NOTE: only visible positions are ever loaded. A page's unread tail and a window's released
+ * columns may hold anything (NaN from serve/poison.py, the null block), and must stay unread:
+ * this is why the loops run over [lo, pos] instead of whole pages with a mask.
+ *
+ * Built with -O3 -march=native -fopenmp but without -ffast-math: expf, NaN and inf keep their
+ * IEEE meaning; the `omp simd` reductions are what lets the compiler reorder the dot products.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+    WARMCAP_OK = 0,
+    WARMCAP_BAD_SHAPE = 1,
+    WARMCAP_BAD_BLOCK = 2,
+    WARMCAP_NO_MEMORY = 3,
+    WARMCAP_BAD_SLOT = 4,
+};
+
+/* Sixteen floats: one AVX-512 register, two AVX2 or four NEON ones (GCC/Clang vector extension). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline v16f load16(const float *p)
+{
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/*
+ * a . b over d elements. NOTE: sixteen partial sums added as a tree. An `omp simd reduction`
+ * without -ffast-math keeps the order of the sum: the compiler folds the vector lane after lane,
+ * a chain of sixteen dependent adds per key that dominated the kernel's time.
+ */
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int32_t d)
+{
+    v16f acc = {0};
+    int32_t x = 0;
+    for (; x + 16 <= d; x += 16) {
+        acc += load16(a + x) * load16(b + x);
+    }
+    v8f h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+    for (; x < d; ++x) {
+        s += a[x] * b[x];
+    }
+    return s;
+}
+
+/*
+ * e^x for x <= 0 (a score minus its row's maximum) in plain arithmetic the compiler vectorises
+ * (a call to libm's expf per score was a third of the kernel's time). x is split as n ln2 + r with
+ * |r| <= ln2 / 2 (ln2 in two parts, Cody and Waite), e^r is a degree-7 polynomial (Cephes' expf
+ * coefficients) and 2^n goes into the exponent bits. Within 1.02 ulp of e^x on every float in
+ * [-87.3, 0] (checked against double exp); NaN stays NaN; below -87.3 it gives 0, where e^x is
+ * under the smallest normal float and no softmax weight can notice it.
+ */
+static inline __attribute__((always_inline)) float exp_nonpositive(float x)
+{
+    const float clamped = x < -87.3f ? -87.3f : x; /* false for NaN: NaN passes through */
+    const float shift = 12582912.0f;               /* 1.5 * 2^23: adding it rounds to an integer */
+    const float n = (clamped * 1.44269504088896341f + shift) - shift;
+    float r = clamped - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.3f ? 0.0f : p * scale;
+}
+
+/* Prefetch the `floats` floats at p (a hint: it never faults and reads nothing into a result, so a
+ * page's unread tail may be prefetched safely), into L2 and beyond (locality 2). */
+static inline void prefetch_floats(const float *p, int64_t floats)
+{
+    for (int64_t x = 0; x < floats; x += 16) {
+        __builtin_prefetch(p + x, 0, 2);
+    }
+}
+
+/*
+ * One query position of one row: the query heads of KV heads [hb, he). out and q point at the token's
+ * head 0. Every token's K (then V) is read for all those heads at once, in position order, so a page is
+ * streamed whole rather than once per head. Memory, not arithmetic, bounds a decode step here (the
+ * cache of a layer is far from the caches by the time the layer comes round again), hence the
+ * prefetches: while the scores read K, the same tokens' V is fetched; while the values are summed,
+ * the next row's K (next_row, next_len: its block table and how many positions to fetch; NULL, 0 for
+ * none).
+ */
+static inline __attribute__((always_inline)) int attend_position(
+    float *out, const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
+    const int32_t *table_row, int32_t cols, int64_t num_blocks, int32_t block_size, int64_t token_stride,
+    int32_t hb, int32_t he, int32_t lo, int32_t pos, int32_t group, int32_t d, float scale, float *scores,
+    float *acc, const int32_t *next_row, int32_t next_len)
+{
+    const int32_t n = pos - lo + 1;
+    const int32_t heads = (he - hb) * group;
+    const int64_t head_floats = (int64_t)(he - hb) * d;
+    if ((pos / block_size) >= cols) {
+        return WARMCAP_BAD_SHAPE;
+    }
+    /* Scores, [head][key]: each key is loaded once for every query head that reads it. */
+    for (int32_t j = 0; j < n; ++j) {
+        const int32_t p = lo + j;
+        const int32_t block = table_row[p / block_size];
+        if (block < 0 || block >= num_blocks) {
+            return WARMCAP_BAD_BLOCK;
+        }
+        const int64_t slot = ((int64_t)block * block_size + p % block_size) * token_stride + (int64_t)hb * d;
+        prefetch_floats(v_cache + slot, head_floats);
+        for (int32_t h = 0; h < he - hb; ++h) {
+            const float *key = k_cache + slot + (int64_t)h * d;
+            for (int32_t g = 0; g < group; ++g) {
+                const int32_t head = h * group + g;
+                scores[(int64_t)head * n + j] = dot(q + (int64_t)((hb + h) * group + g) * q_stride_h, key, d) * scale;
+            }
+        }
+    }
+    /* Softmax per head, max subtracted; weights stay unnormalised until the end. */
+    float *inv_sum = acc + (int64_t)heads * d;
+    for (int32_t head = 0; head < heads; ++head) {
+        float *sg = scores + (int64_t)head * n;
+        float m = sg[0];
+        for (int32_t j = 1; j < n; ++j) {
+            m = sg[j] > m ? sg[j] : m;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int32_t j = 0; j < n; ++j) {
+            sg[j] = exp_nonpositive(sg[j] - m);
+            sum += sg[j];
+        }
+        inv_sum[head] = 1.0f / sum;
+    }
+    /* Values: each value row is loaded once and added into every head's accumulator (in L1). */
+    memset(acc, 0, sizeof(float) * (size_t)heads * (size_t)d);
+    for (int32_t j = 0; j < n; ++j) {
+        const int32_t p = lo + j;
+        const float *value =
+            v_cache + ((int64_t)table_row[p / block_size] * block_size + p % block_size) * token_stride + (int64_t)hb * d;
+        if (j < next_len) {
+            const int32_t block = next_row[j / block_size];
+            if (block >= 0 && block < num_blocks) {
+                prefetch_floats(k_cache + ((int64_t)block * block_size + j % block_size) * token_stride + (int64_t)hb * d,
+                                head_floats);
+            }
+        }
+        for (int32_t h = 0; h < he - hb; ++h) {
+            const float *vh = value + (int64_t)h * d;
+            for (int32_t g = 0; g < group; ++g) {
+                const int32_t head = h * group + g;
+                const float w = scores[(int64_t)head * n + j];
+                float *ag = acc + (int64_t)head * d;
+#pragma omp simd
+                for (int32_t x = 0; x < d; ++x) {
+                    ag[x] += w * vh[x];
+                }
+            }
+        }
+    }
+    for (int32_t head = 0; head < heads; ++head) {
+        const float *ag = acc + (int64_t)head * d;
+        float *og = out + (int64_t)(hb * group + head) * d;
+        const float r = inv_sum[head];
+#pragma omp simd
+        for (int32_t x = 0; x < d; ++x) {
+            og[x] = ag[x] * r;
+        }
+    }
+    return WARMCAP_OK;
+}
+
+/* attend_position with the common head sizes as constants, so their D-loops are fully unrolled. */
+static int attend(
+    float *out, const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
+    const int32_t *table_row, int32_t cols, int64_t num_blocks, int32_t block_size, int64_t token_stride,
+    int32_t hb, int32_t he, int32_t lo, int32_t pos, int32_t group, int32_t d, float scale, float *scores,
+    float *acc, const int32_t *next_row, int32_t next_len)
+{
+#define WARMCAP_ATTEND(D)                                                                                   \
+    attend_position(out, q, q_stride_h, k_cache, v_cache, table_row, cols, num_blocks, block_size,          \
+                    token_stride, hb, he, lo, pos, group, D, scale, scores, acc, next_row, next_len)
+    switch (d) {
+    case 64:
+        return WARMCAP_ATTEND(64);
+    case 128:
+        return WARMCAP_ATTEND(128);
+    default:
+        return WARMCAP_ATTEND(d);
+    }
+#undef WARMCAP_ATTEND
+}
+
+/*
+ * out [T, Hq, D] contiguous (fully written); q [T, Hq, D] with unit stride in D and the given token
+ * and head strides; block_table [R, cols]; seq_lens [R]; qsl [R + 1]. k, v [num_writes, Hkv, D]
+ * (unit stride in D) are written at slots [num_writes] first, unless k is NULL. Returns 0 or a
+ * WARMCAP_* error (a table naming a block outside the cache, a position past the table's columns, a
+ * write slot outside the cache, no memory).
+ *
+ * Work is split by row (all of a row's heads in one task, which reads its pages whole) when there are
+ * at least as many rows as threads, else by (row, KV head) so that few rows still fill the threads.
+ */
+int warmcap_paged_attention(
+    float *out, const float *q, int64_t q_stride_t, int64_t q_stride_h, float *kv_cache,
+    const int32_t *block_table, int32_t cols, const int32_t *seq_lens, const int32_t *qsl,
+    int64_t num_tokens, int32_t num_reqs, int32_t hq, int32_t hkv, int32_t d, int64_t num_blocks,
+    int32_t block_size, int32_t window, float scale, int32_t num_threads, const float *k, int64_t k_stride_t,
+    int64_t k_stride_h, const float *v, int64_t v_stride_t, int64_t v_stride_h, const int64_t *slots,
+    int64_t num_writes)
+{
+    if (hkv <= 0 || hq % hkv != 0 || d <= 0 || block_size <= 0 || num_reqs < 0 || cols < 0 || num_writes < 0) {
+        return WARMCAP_BAD_SHAPE;
+    }
+    const int32_t group = hq / hkv;
+    const int64_t token_stride = (int64_t)hkv * d;
+    float *k_cache = kv_cache;
+    float *v_cache = kv_cache + num_blocks * block_size * token_stride;
+    /* This step's keys and values first (k NULL: the caller wrote them), in token order, so that
+     * tokens sharing a slot (padding, sent to the sink) leave the last one there, as index_copy_ does.
+     * Every slot is checked before anything is written. */
+    if (k != NULL) {
+        for (int64_t t = 0; t < num_writes; ++t) {
+            if (slots[t] < 0 || slots[t] >= num_blocks * block_size) {
+                return WARMCAP_BAD_SLOT;
+            }
+        }
+        for (int64_t t = 0; t < num_writes; ++t) {
+            float *kd = k_cache + slots[t] * token_stride;
+            float *vd = v_cache + slots[t] * token_stride;
+            for (int32_t h = 0; h < hkv; ++h) {
+                memcpy(kd + (int64_t)h * d, k + t * k_stride_t + h * k_stride_h, sizeof(float) * (size_t)d);
+                memcpy(vd + (int64_t)h * d, v + t * v_stride_t + h * v_stride_h, sizeof(float) * (size_t)d);
+            }
+        }
+    }
+    const int64_t real_tokens = num_reqs > 0 ? qsl[num_reqs] : 0;
+    if (real_tokens < 0 || real_tokens > num_tokens) {
+        return WARMCAP_BAD_SHAPE;
+    }
+    /* Padding past the last row's span. */
+    if (num_tokens > real_tokens) {
+        memset(out + real_tokens * hq * d, 0, sizeof(float) * (size_t)((num_tokens - real_tokens) * hq * d));
+    }
+    /* The longest key span any query reads sizes each thread's score buffer. */
+    int64_t max_keys = 1;
+    for (int32_t r = 0; r < num_reqs; ++r) {
+        int64_t span = seq_lens[r];
+        if (window > 0 && span > window) {
+            span = window;
+        }
+        max_keys = span > max_keys ? span : max_keys;
+    }
+    const int by_row = num_threads <= 1 || num_reqs >= num_threads;
+    const int32_t task_heads = by_row ? hkv : 1;
+    const int64_t tasks = by_row ? (int64_t)num_reqs : (int64_t)num_reqs * hkv;
+    int status = WARMCAP_OK;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)((int64_t)task_heads * group * max_keys));
+        float *acc = malloc(sizeof(float) * (size_t)((int64_t)task_heads * group * (d + 1)));
+        int local = (scores == NULL || acc == NULL) ? WARMCAP_NO_MEMORY : WARMCAP_OK;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int32_t r = by_row ? (int32_t)task : (int32_t)(task / hkv);
+            const int32_t hb = by_row ? 0 : (int32_t)(task % hkv);
+            const int32_t he = hb + task_heads;
+            const int32_t start = qsl[r];
+            const int32_t qlen = qsl[r + 1] - start;
+            const int32_t seq = seq_lens[r];
+            /* The next row's keys, fetched during this row's last query (row tasks only). */
+            const int32_t *next_row = NULL;
+            int32_t next_len = 0;
+            if (by_row && r + 1 < num_reqs) {
+                next_row = block_table + (int64_t)(r + 1) * cols;
+                next_len = seq_lens[r + 1];
+                next_len = next_len < 0 ? 0 : (next_len > cols * block_size ? cols * block_size : next_len);
+            }
+            for (int32_t i = 0; i < qlen; ++i) {
+                const int64_t t = (int64_t)start + i;
+                float *ot = out + t * hq * d;
+                const int32_t pos = seq - qlen + i;
+                if (pos < 0 || local != WARMCAP_OK) {
+                    memset(ot + (int64_t)hb * group * d, 0, sizeof(float) * (size_t)(task_heads * group * d));
+                    continue;
+                }
+                const int32_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+                const int last = i + 1 == qlen;
+                local = attend(
+                    ot, q + t * q_stride_t, q_stride_h, k_cache, v_cache, block_table + (int64_t)r * cols, cols,
+                    num_blocks, block_size, token_stride, hb, he, lo, pos, group, d, scale, scores, acc,
+                    last ? next_row : NULL, last ? next_len : 0);
+            }
+        }
+        if (local != WARMCAP_OK) {
+#pragma omp critical
+            status = local;
+        }
+        free(scores);
+        free(acc);
+    }
+    return status;
+}

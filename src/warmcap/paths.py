@@ -1,0 +1,13 @@
+"""Where warmcap keeps what it builds once per machine: ``$WARMCAP_CACHE`` (default
+``~/.cache/warmcap``), holding the converted presets (``models/``), cached configs (``configs/``),
+compiled CPU kernels (``kernels/``) and the start-up cache (``startup/``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """The warmcap cache folder: ``$WARMCAP_CACHE`` or ``~/.cache/warmcap``."""
+    return Path(os.environ.get("WARMCAP_CACHE") or Path.home() / ".cache" / "warmcap").expanduser()
