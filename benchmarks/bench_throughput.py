@@ -102,26 +102,31 @@ def warmcap_runner(
     grouped: bool = True,
     prefix_caching: bool = True,
     attention: str | None = None,
+    layer_ops: str | None = None,
     greedy_head: bool = True,
     **_: object,
 ) -> Runner:
+    from warmcap.cpu_kernels.layer_ops import ENV as LAYER_OPS_ENV
+    from warmcap.cpu_kernels.paged_attention import ENV as ATTENTION_ENV
     from warmcap.models.packed_linear import prepack_linears, unpack_linears
-    from warmcap.runner_v2.attention.cpu_kernels.paged_attention import ENV
     from warmcap.sampling_params import SamplingParams
 
-    # The CPU attention path is chosen when the engine builds its backend: set only around that.
-    saved = os.environ.get(ENV)
-    if attention is not None:
-        os.environ[ENV] = attention
+    # The CPU kernels are chosen when the engine builds its model and backend: set only around that.
+    switches = {ATTENTION_ENV: attention, LAYER_OPS_ENV: layer_ops}
+    saved = {env: os.environ.get(env) for env in switches}
+    for env, mode in switches.items():
+        if mode is not None:
+            os.environ[env] = mode
     try:
         llm = warmcap_llm(
             path, ids, max_tokens, batch_invariant=batch_invariant, eager=eager, prefix_caching=prefix_caching
         )
     finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+        for env, value in saved.items():
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
     if not packed:
         # The peer for models/packed_linear.py: the same engine on plain F.linear.
         unpack_linears(llm.engine.model)
@@ -280,6 +285,8 @@ PEERS: dict[str, Callable[..., Runner]] = {
     "warmcap_ungrouped": partial(warmcap_runner, grouped=False),
     # the same engine on gather + SDPA attention: the peer for the CPU paged-attention kernel
     "warmcap_torch_attention": partial(warmcap_runner, attention="torch"),
+    # the same engine on torch's RMSNorm and RoPE: the peer for cpu_kernels/layer_ops.c
+    "warmcap_torch_layer_ops": partial(warmcap_runner, layer_ops="torch"),
     # the same engine computing the full float32 logits every step: the peer for models/greedy_head.py
     "warmcap_full_head": partial(warmcap_runner, greedy_head=False),
     "hf_generate": hf_generate_runner,

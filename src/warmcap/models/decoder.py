@@ -75,8 +75,8 @@ class PreNormDecoderLayer(nn.Module):
         # Parts by their registered names straight from ``_modules``: this runs once per layer and
         # token step, and ``nn.Module.__getattr__`` behind the properties costs more than the dict.
         parts = self._modules
-        h = h + self.mix(parts["input_layernorm"](h), cos, sin, ctx)
-        return h + parts[self._mlp_name](parts[self._post_norm_name](h))
+        h, x = parts[self._post_norm_name].residual(h, self.mix(parts["input_layernorm"](h), cos, sin, ctx))
+        return h + parts[self._mlp_name](x)
 
 
 def run_decoder_layers(

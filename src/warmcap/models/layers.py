@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from torch import nn
 from warmcap.contracts.parallel import all_gather_last_dim, all_reduce_sum, parallel_state, split_evenly
 from warmcap.errors import ModelLoadError
 from warmcap.models.packed_linear import packed_group
+
+if TYPE_CHECKING:
+    from warmcap.cpu_kernels.layer_ops import LayerOps
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -41,7 +44,13 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype."""
+    """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype.
+
+    ``cpu_ops``: the compiled CPU layer ops (:func:`attach_cpu_layer_ops`), used for float32 rows
+    on CPU; None (the default) or tensors they cannot take run torch's ops.
+    """
+
+    cpu_ops: LayerOps | None = None
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -52,8 +61,36 @@ class RMSNorm(nn.Module):
         # One fused kernel instead of six elementwise ops. In float32 the weight can go into the
         # kernel; otherwise it scales the result after the cast back, as transformers does.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            ops = self.cpu_ops
+            if ops is not None and (out := ops.rms_norm(x, self.weight, self.eps)) is not None:
+                return out
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps).to(x.dtype)
+
+    def residual(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + delta, self(h + delta))``: the residual stream after a block and its norm (one
+        pass with the CPU layer ops; the sum is exact either way)."""
+        ops = self.cpu_ops
+        if ops is not None and self.weight.dtype == torch.float32:
+            both = ops.add_rms_norm(h, delta, self.weight, self.eps)
+            if both is not None:
+                return both
+        h = h + delta
+        return h, self(h)
+
+
+def attach_cpu_layer_ops(model: nn.Module) -> LayerOps | None:
+    """Hand the compiled CPU layer ops (``cpu_kernels/layer_ops.c``) to every module of ``model``
+    that can use them (those declaring ``cpu_ops``), when ``$WARMCAP_CPU_LAYER_OPS`` allows and they
+    build; returns them (None: the modules keep torch's ops)."""
+    from warmcap.cpu_kernels.layer_ops import load_layer_ops
+
+    ops = load_layer_ops()
+    if ops is not None:
+        for module in model.modules():
+            if hasattr(type(module), "cpu_ops"):
+                module.cpu_ops = ops
+    return ops
 
 
 class GatedMLP(nn.Module):

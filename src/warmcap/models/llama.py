@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDeco
 from warmcap.models.layers import GatedMLP, RMSNorm, column_linear, row_linear
 from warmcap.models.packed_linear import packed_group
 from warmcap.models.rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from warmcap.cpu_kernels.layer_ops import LayerOps
 
 #: checkpoint entries that carry no weights of ours (recomputed buffers)
 IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -104,6 +107,8 @@ def head_split(num_heads: int, num_kv_heads: int, state: ParallelState) -> HeadS
 class LlamaAttention(nn.Module):
     #: q, k and v read the same input: one packed GEMM on CPU (``models/packed_linear.py``)
     packed_groups: ClassVar[tuple[tuple[str, ...], ...]] = (("q_proj", "k_proj", "v_proj"),)
+    #: the compiled CPU layer ops, for RoPE (``models/layers.py`` ``attach_cpu_layer_ops``)
+    cpu_ops: LayerOps | None = None
 
     def __init__(self, hf_config: Any, layer_idx: int, traits: ArchTraits) -> None:
         super().__init__()
@@ -150,7 +155,11 @@ class LlamaAttention(nn.Module):
             # q and k are adjacent columns of one product: rotate them in one pass (elementwise, so
             # the same values as a pass each).
             qkv = group.product(x)
-            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+            # The product is fresh: the CPU layer ops may rotate it in place (the same bits).
+            ops = self.cpu_ops
+            if ops is None or not ops.rope_(qk, cos, sin):
+                qk = apply_rope(qk, cos, sin)
             q, k = qk.split((hq, hkv), dim=1)
             v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
         else:

@@ -176,9 +176,11 @@ def load_model(
 
         make_batch_invariant(model)
     else:
+        from warmcap.models.layers import attach_cpu_layer_ops
         from warmcap.models.packed_linear import prepack_linears
 
         prepack_linears(model)
+        attach_cpu_layer_ops(model)
     return model.eval()
 
 

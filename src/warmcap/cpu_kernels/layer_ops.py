@@ -1,0 +1,140 @@
+"""The compiled per-layer ops (``layer_ops.c``): RMSNorm, RMSNorm after the residual add, and RoPE
+in place, for float32 decoders on CPU.
+
+``WARMCAP_CPU_LAYER_OPS`` (``auto``/``torch``/``kernel``, :mod:`.policy`) decides at model load
+(:func:`load_layer_ops`); a model keeps what it was given. Each op also checks its tensors on every
+call (:func:`~warmcap.cpu_kernels.policy.plain_cpu_tensors` and the layout it needs) and returns
+None where torch's ops must run instead, so callers keep their torch path beside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from warmcap.cpu_kernels.build import KernelBuildError, load_library
+from warmcap.cpu_kernels.policy import kernel_mode, plain_cpu_tensors
+from warmcap.errors import ConfigError
+
+log = logging.getLogger("warmcap.models")
+
+ENV = "WARMCAP_CPU_LAYER_OPS"
+
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+_RMS_NORM_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_float, _i32]
+_ROPE_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i32]
+
+
+def _rows(x: torch.Tensor, n: int) -> bool:
+    """x is ``[rows, n]`` with unit stride along n (any row stride)."""
+    return x.dim() == 2 and x.shape[1] == n and x.stride(1) == 1
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """The library's functions, bound."""
+
+    _rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    _rope: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """``F.rms_norm(x, weight.shape, weight, eps)`` for x ``[rows, n]``; None when the kernel
+        cannot take these tensors."""
+        n = weight.shape[0]
+        if not (_rows(x, n) and weight.is_contiguous() and plain_cpu_tensors(x, weight)):
+            return None
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._rms_norm(
+            out.data_ptr(),
+            None,
+            x.data_ptr(),
+            x.stride(0),
+            None,
+            0,
+            weight.data_ptr(),
+            x.shape[0],
+            n,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(h, rms_norm(h))`` for ``h = x + delta``, both ``[rows, n]``, in one pass; None when
+        the kernel cannot take these tensors. ``h`` is exactly ``x + delta``."""
+        n = weight.shape[0]
+        if not (
+            _rows(x, n)
+            and _rows(delta, n)
+            and x.shape == delta.shape
+            and weight.is_contiguous()
+            and plain_cpu_tensors(x, delta, weight)
+        ):
+            return None
+        h = torch.empty(x.shape, dtype=torch.float32)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._rms_norm(
+            out.data_ptr(),
+            h.data_ptr(),
+            x.data_ptr(),
+            x.stride(0),
+            delta.data_ptr(),
+            delta.stride(0),
+            weight.data_ptr(),
+            x.shape[0],
+            n,
+            eps,
+            torch.get_num_threads(),
+        )
+        return h, out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate x ``[T, H, D]`` in place by cos/sin ``[T, D]``, bit for bit as
+        :func:`~warmcap.models.rope.apply_rope`; False (x untouched) when the kernel cannot take
+        these tensors."""
+        if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
+            return False
+        t, heads, d = x.shape
+        if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride(1) != 1 or sin.stride() != cos.stride():
+            return False
+        if not plain_cpu_tensors(x, cos, sin):
+            return False
+        self._rope(
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1),
+            t,
+            heads,
+            d,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.stride(0),
+            torch.get_num_threads(),
+        )
+        return True
+
+
+def load_layer_ops() -> LayerOps | None:
+    """The ops, or None for torch's (``torch`` mode, or ``auto`` and no working compiler: then one
+    warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead."""
+    mode = kernel_mode(ENV)
+    if mode == "torch":
+        return None
+    try:
+        lib = load_library("layer_ops.c")
+    except KernelBuildError as exc:
+        if mode == "kernel":
+            raise ConfigError(f"{ENV}=kernel but the CPU layer ops cannot be built: {exc}") from exc
+        log.warning("CPU layer ops unavailable, using torch's (set %s=torch to silence): %s", ENV, exc)
+        return None
+    rms_norm, rope = lib.warmcap_rms_norm, lib.warmcap_rope
+    rms_norm.argtypes, rms_norm.restype = _RMS_NORM_ARGS, None
+    rope.argtypes, rope.restype = _ROPE_ARGS, None
+    return LayerOps(rms_norm, rope)

@@ -1,0 +1,164 @@
+"""The compiled CPU layer ops (``cpu_kernels/layer_ops.c``) against torch's: RMSNorm (with and
+without the residual add) to the last bit or two, RoPE bit for bit; where they refuse a tensor; the
+``WARMCAP_CPU_LAYER_OPS`` switch; and a model through them generating what torch's ops generate."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from warmcap.cpu_kernels.layer_ops import ENV, LayerOps, load_layer_ops
+from warmcap.errors import ConfigError
+from warmcap.models.rope import RotaryEmbedding, apply_rope
+
+
+@pytest.fixture(scope="module")
+def ops() -> LayerOps:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "kernel")
+        loaded = load_layer_ops()
+    assert loaded is not None
+    return loaded
+
+
+def rows_view(gen: torch.Generator, rows: int, n: int, pad: int, scale: float) -> torch.Tensor:
+    """[rows, n] as the left part of a wider tensor (row stride n + pad), as a fused product's slice."""
+    return (torch.randn(rows, n + pad, generator=gen) * scale)[:, :n]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    n=st.sampled_from([1, 7, 16, 64, 100, 576, 960]),
+    pad=st.sampled_from([0, 5, 64]),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    eps=st.sampled_from([1e-6, 1e-5]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_and_the_residual_add_match_torch(ops, rows, n, pad, scale, eps, threads, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = rows_view(gen, rows, n, pad, scale)
+    delta = rows_view(gen, rows, n, pad, scale)
+    weight = torch.nn.Parameter(torch.randn(n, generator=gen))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = ops.rms_norm(x, weight, eps)
+            both = ops.add_rms_norm(x, delta, weight, eps)
+            want = F.rms_norm(x, (n,), weight, eps)
+            h_want = x + delta
+            h_norm_want = F.rms_norm(h_want, (n,), weight, eps)
+    finally:
+        torch.set_num_threads(before)
+    assert got is not None and both is not None
+    # Only the order of the sum of squares differs from torch's: a few ulps at most.
+    torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-6)
+    h, h_norm = both
+    assert torch.equal(h, h_want), "the residual sum must be exactly x + delta"
+    torch.testing.assert_close(h_norm, h_norm_want, rtol=3e-6, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.integers(1, 24),
+    heads=st.integers(1, 12),
+    d=st.sampled_from([2, 8, 32, 64, 80, 128]),
+    extra_heads=st.integers(0, 3),
+    start=st.integers(0, 5000),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_in_place_equals_apply_rope_bit_for_bit(ops, tokens, heads, d, extra_heads, start, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # A view of a fused projection: heads of a wider row (token stride > heads * d).
+    fused = torch.randn(tokens, heads + extra_heads, d, generator=gen)
+    x = fused[:, :heads]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rotary = RotaryEmbedding(d, "default", 10000.0, inv_freq)
+    cos, sin = rotary.cos_sin(torch.arange(start, start + tokens), torch.float32)
+    want = apply_rope(x, cos, sin)
+    untouched = fused[:, heads:].clone()
+    assert ops.rope_(x, cos, sin)
+    assert torch.equal(x, want)
+    assert torch.equal(fused[:, heads:], untouched), "only the given heads may change"
+
+
+def test_tensors_the_kernels_cannot_take_are_refused_untouched(ops):
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    assert ops.rms_norm(x.double(), w.double(), 1e-5) is None
+    assert ops.rms_norm(x.t().contiguous().t(), w, 1e-5) is None, "a column-major view has no unit stride"
+    assert ops.rms_norm(x.view(4, 2, 32), torch.randn(32), 1e-5) is None, "rows only"
+    assert ops.add_rms_norm(x, torch.randn(3, 64), w, 1e-5) is None
+    with torch.enable_grad():
+        assert ops.rms_norm(x.requires_grad_(), w, 1e-5) is None, "autograd must see torch's ops"
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(4, 64))
+        assert ops.rms_norm(fake, mode.from_tensor(w), 1e-5) is None
+    q = torch.randn(3, 2, 8)
+    cos, sin = torch.randn(3, 8), torch.randn(3, 8)
+    before = q.clone()
+    assert not ops.rope_(torch.randn(3, 2, 7), torch.randn(3, 7), torch.randn(3, 7)), "odd head size"
+    assert not ops.rope_(q, cos[:2], sin[:2]), "one cos/sin row per token"
+    assert not ops.rope_(q.transpose(1, 2).contiguous().transpose(1, 2), cos, sin), "unit stride in D"
+    assert not ops.rope_(q.double(), cos.double(), sin.double())
+    assert torch.equal(q, before)
+
+
+def test_the_switch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(ENV, "torch")
+    assert load_layer_ops() is None
+    monkeypatch.setenv(ENV, "quick")
+    with pytest.raises(ConfigError, match=f"{ENV}='quick'.*auto, torch, kernel"):
+        load_layer_ops()
+    monkeypatch.setenv("WARMCAP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv(ENV, "auto")
+    with caplog.at_level(logging.WARNING, logger="warmcap.models"):
+        assert load_layer_ops() is None
+    assert "/nonexistent/cc" in caplog.text and f"{ENV}=torch" in caplog.text
+    monkeypatch.setenv(ENV, "kernel")
+    with pytest.raises(ConfigError, match="cannot be built"):
+        load_layer_ops()
+
+
+def test_a_model_through_the_layer_ops_generates_what_torch_ops_generate(monkeypatch):
+    from warmcap.llm import LLM
+    from warmcap.sampling_params import SamplingParams
+
+    calls: list[str] = []
+    for name in ("rms_norm", "add_rms_norm", "rope_"):
+        real = getattr(LayerOps, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            result = _real(self, *args, **kwargs)
+            if result is not None and result is not False:
+                calls.append(_name)
+            return result
+
+        monkeypatch.setattr(LayerOps, name, spy)
+    prompts = [[1, 5, 9, 13, 2], [7, 7, 3], [100, 42, 17, 8, 8, 30, 4]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    results = {}
+    for mode in ("torch", "kernel"):
+        monkeypatch.setenv(ENV, mode)
+        llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_model_len=128, enforce_eager=True)
+        attached = {
+            type(m).__name__ for m in llm.engine.model.modules() if getattr(m, "cpu_ops", None) is not None
+        }
+        assert attached == (set() if mode == "torch" else {"RMSNorm", "LlamaAttention"})
+        results[mode] = llm.generate(prompts, params)
+    assert set(calls) == {"rms_norm", "add_rms_norm", "rope_"}
+    for plain, fused in zip(results["torch"], results["kernel"], strict=True):
+        assert fused.token_ids == plain.token_ids
+        for a, b in zip(plain.outputs[0].logprobs, fused.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
