@@ -1,14 +1,16 @@
 """One attention layer on CPU: the compiled paged kernel vs gather + SDPA, on the same step.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_cpu_attention.py --threads 1 \
-        [--rows 16] [--keys 110] [--query-lens 1,2,4,8,16,32] [--heads 9 --kv-heads 3 --head-dim 64]
+        [--rows 16] [--keys 110] [--query-lens 1,2,4,8,16,32] [--heads 9 --kv-heads 3 --head-dim 64] \
+        [--layers 30]
 
 Each row has ``--keys`` keys after the step (its last ``query_len`` written by the step) in shuffled
 16-token pages. gather + SDPA is ``TorchPagedAttention.forward`` under ``WARMCAP_CPU_ATTENTION=torch``
 with the step's plan already derived, as every layer after a step's first finds it; the kernel is
-the same KV write and the kernel called directly, at every query length (past ``MAX_QUERY_LEN`` too).
-The two alternate batch by batch. Prints microseconds per call (median and best of ``--repeats``
-timed batches) for each query length: where
+called directly as the engine calls it (it writes the step's K/V itself), at every query length
+(past ``MAX_QUERY_LEN`` too). ``--layers N`` gives each of N layers its own cache and cycles over
+them, so a cache is as cold as a model's is. The two paths alternate batch by batch. Prints
+microseconds per call (median and best of ``--repeats`` timed batches) for each query length: where
 the kernel stops winning sets ``MAX_QUERY_LEN`` in ``cpu_kernels/paged_attention.py``.
 """
 
@@ -24,7 +26,7 @@ import torch
 
 from warmcap.contracts import AttentionMetadata
 from warmcap.cpu_kernels.paged_attention import KernelInputs, load_paged_attention
-from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention, sink_slots, write_kv_slots
+from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention, sink_slots
 
 BLOCK_SIZE = 16
 
@@ -83,6 +85,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="cycle over this many layers' caches, as a model does (30 for SmolLM2: each cache is cold "
+        "by the time its layer comes round again); 1 keeps one warm cache",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["WARMCAP_CPU_ATTENTION"] = "kernel"
@@ -97,20 +106,26 @@ def main() -> None:
     )
     for qlen in (int(x) for x in args.query_lens.split(",")):
         gen = torch.Generator().manual_seed(qlen)
-        q, k, v, cache, meta = step(
-            args.rows, max(args.keys, qlen), qlen, args.heads, args.kv_heads, args.head_dim, gen
-        )
-        slots, inputs = sink_slots(meta.slot_mapping, cache), KernelInputs.of(meta)
+        layers = []
+        for _ in range(args.layers):
+            q, k, v, cache, meta = step(
+                args.rows, max(args.keys, qlen), qlen, args.heads, args.kv_heads, args.head_dim, gen
+            )
+            layers.append((q, k, v, cache, meta, sink_slots(meta.slot_mapping, cache), KernelInputs.of(meta)))
+        turn = {"sdpa": 0, "kernel": 0}
+
+        def sdpa() -> None:
+            q, k, v, cache, meta, _, _ = layers[turn["sdpa"] % len(layers)]  # noqa: B023 (this iteration's)
+            turn["sdpa"] += 1  # noqa: B023
+            eager.forward(q, k, v, cache, meta, scale=scale)
 
         def paged() -> None:
-            write_kv_slots(cache, k, v, slots)  # noqa: B023 (called within this iteration)
-            kernel(q, cache, inputs, scale=scale, window=None)  # noqa: B023
+            # As the engine calls it: the kernel writes the step's K/V, then attends.
+            q, k, v, cache, _, slots, inputs = layers[turn["kernel"] % len(layers)]  # noqa: B023
+            turn["kernel"] += 1  # noqa: B023
+            kernel(q, cache, inputs, scale=scale, window=None, new_kv=(k, v, slots))
 
-        samples = time_us(
-            {"sdpa": lambda: eager.forward(q, k, v, cache, meta, scale=scale), "kernel": paged},  # noqa: B023
-            calls=args.calls,
-            repeats=args.repeats,
-        )
+        samples = time_us({"sdpa": sdpa, "kernel": paged}, calls=args.calls, repeats=args.repeats)
         med = {name: statistics.median(x) for name, x in samples.items()}
         best = {name: min(x) for name, x in samples.items()}
         print(

@@ -10,7 +10,9 @@
  *
  * NOTE: only visible positions are ever loaded. A page's unread tail and a window's released
  * columns may hold anything (NaN from serve/poison.py, the null block), and must stay unread:
- * this is why the loops run over [lo, pos] instead of whole pages with a mask.
+ * this is why the loops run over [lo, pos] instead of whole pages with a mask. (A prefetch is only a
+ * hint: it never faults and no result reads what it fetched, so the next row's keys are prefetched
+ * from position 0 whatever its window.)
  *
  * Built with -O3 -march=native -fopenmp but without -ffast-math: expf, NaN and inf keep their
  * IEEE meaning; the `omp simd` reductions are what lets the compiler reorder the dot products.
@@ -238,6 +240,10 @@ int warmcap_paged_attention(
     const int64_t token_stride = (int64_t)hkv * d;
     float *k_cache = kv_cache;
     float *v_cache = kv_cache + num_blocks * block_size * token_stride;
+    const int64_t real_tokens = num_reqs > 0 ? qsl[num_reqs] : 0;
+    if (real_tokens < 0 || real_tokens > num_tokens) {
+        return WARMCAP_BAD_SHAPE;
+    }
     /* This step's keys and values first (k NULL: the caller wrote them), in token order, so that
      * tokens sharing a slot (padding, sent to the sink) leave the last one there, as index_copy_ does.
      * Every slot is checked before anything is written. */
@@ -255,10 +261,6 @@ int warmcap_paged_attention(
                 memcpy(vd + (int64_t)h * d, v + t * v_stride_t + h * v_stride_h, sizeof(float) * (size_t)d);
             }
         }
-    }
-    const int64_t real_tokens = num_reqs > 0 ? qsl[num_reqs] : 0;
-    if (real_tokens < 0 || real_tokens > num_tokens) {
-        return WARMCAP_BAD_SHAPE;
     }
     /* Padding past the last row's span. */
     if (num_tokens > real_tokens) {
