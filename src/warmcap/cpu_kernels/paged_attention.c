@@ -102,14 +102,28 @@ static inline void prefetch_floats(const float *p, int64_t floats)
     }
 }
 
+/* Prefetch position j of the next row's keys (its block table next_row, next_len positions), the
+ * `floats` floats from `offset` in the token's row. */
+static inline void prefetch_next_keys(const float *k_cache, const int32_t *next_row, int32_t next_len, int32_t j,
+                                      int64_t num_blocks, int32_t block_size, int64_t token_stride, int64_t offset,
+                                      int64_t floats)
+{
+    if (j < next_len) {
+        const int32_t block = next_row[j / block_size];
+        if (block >= 0 && block < num_blocks) {
+            prefetch_floats(k_cache + ((int64_t)block * block_size + j % block_size) * token_stride + offset, floats);
+        }
+    }
+}
+
 /*
  * One query position of one row: the query heads of KV heads [hb, he). out and q point at the token's
- * head 0. Every token's K (then V) is read for all those heads at once, in position order, so a page is
- * streamed whole rather than once per head. Memory, not arithmetic, bounds a decode step here (the
- * cache of a layer is far from the caches by the time the layer comes round again), hence the
- * prefetches: while the scores read K, the same tokens' V is fetched; while the values are summed,
- * the next row's K (next_row, next_len: its block table and how many positions to fetch; NULL, 0 for
- * none).
+ * head 0. The scores read each token's keys for all those heads at once, in position order, so a
+ * page is streamed whole rather than once per head. Memory, not arithmetic, bounds a decode step
+ * here (a layer's cache is far from the caches by the time the layer comes round again), hence the
+ * prefetches: while the scores read K, the same tokens' V is fetched, which the value sums then
+ * find close by; while they run, the next row's K (next_row, next_len: its block table and how many
+ * positions to fetch; NULL, 0 for none).
  */
 static inline __attribute__((always_inline)) int attend_position(
     float *out, const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
@@ -156,19 +170,47 @@ static inline __attribute__((always_inline)) int attend_position(
         }
         inv_sum[head] = 1.0f / sum;
     }
-    /* Values: each value row is loaded once and added into every head's accumulator (in L1). */
+    if (d % 16 == 0 && d <= 256) {
+        /* Values, head by head: the head's output row stays in registers while its value rows
+         * stream by (from L1/L2 after the first head of the KV head has read them). */
+        for (int32_t h = 0; h < he - hb; ++h) {
+            for (int32_t g = 0; g < group; ++g) {
+                const int32_t head = h * group + g;
+                const float *w = scores + (int64_t)head * n;
+                v16f a[16];
+                for (int32_t c = 0; c < d / 16; ++c) {
+                    a[c] = (v16f){0};
+                }
+                for (int32_t j = 0; j < n; ++j) {
+                    const int32_t p = lo + j;
+                    const int64_t slot = (int64_t)table_row[p / block_size] * block_size + p % block_size;
+                    const float *vh = v_cache + slot * token_stride + (int64_t)(hb + h) * d;
+                    if (head == 0) {
+                        prefetch_next_keys(k_cache, next_row, next_len, j, num_blocks, block_size, token_stride,
+                                           (int64_t)hb * d, head_floats);
+                    }
+                    for (int32_t c = 0; c < d / 16; ++c) {
+                        a[c] += w[j] * load16(vh + 16 * c);
+                    }
+                }
+                float *og = out + (int64_t)(hb * group + head) * d;
+                for (int32_t c = 0; c < d / 16; ++c) {
+                    const v16f o = a[c] * inv_sum[head];
+                    memcpy(og + 16 * c, &o, sizeof o);
+                }
+            }
+        }
+        return WARMCAP_OK;
+    }
+    /* Other head sizes: each value row is loaded once and added into every head's accumulator (in
+     * L1). */
     memset(acc, 0, sizeof(float) * (size_t)heads * (size_t)d);
     for (int32_t j = 0; j < n; ++j) {
         const int32_t p = lo + j;
         const float *value =
             v_cache + ((int64_t)table_row[p / block_size] * block_size + p % block_size) * token_stride + (int64_t)hb * d;
-        if (j < next_len) {
-            const int32_t block = next_row[j / block_size];
-            if (block >= 0 && block < num_blocks) {
-                prefetch_floats(k_cache + ((int64_t)block * block_size + j % block_size) * token_stride + (int64_t)hb * d,
-                                head_floats);
-            }
-        }
+        prefetch_next_keys(k_cache, next_row, next_len, j, num_blocks, block_size, token_stride, (int64_t)hb * d,
+                           head_floats);
         for (int32_t h = 0; h < he - hb; ++h) {
             const float *vh = value + (int64_t)h * d;
             for (int32_t g = 0; g < group; ++g) {
