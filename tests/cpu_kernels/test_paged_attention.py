@@ -234,18 +234,7 @@ def test_one_openmp_runtime_is_mapped_after_the_kernel_runs_on_two_threads():
 def test_the_threads_split_the_work_without_changing_a_bit(rows):
     """One row at two threads splits by KV head, three rows split by row; one thread does either in
     one task: every head's arithmetic is the same, so the outputs are equal bit for bit."""
-    q, k, v, cache, meta = make_step(
-        5,
-        rows,
-        pad_rows=0,
-        pad_tokens=0,
-        num_kv_heads=2,
-        group=3,
-        head_dim=64,
-        block_size=16,
-        window=None,
-        share=False,
-    )
+    q, k, v, cache, meta = small_step(5, rows)
     before = torch.get_num_threads()
     outs = []
     try:
@@ -259,18 +248,7 @@ def test_the_threads_split_the_work_without_changing_a_bit(rows):
 
 
 def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written():
-    q, k, v, cache, meta = make_step(
-        6,
-        [(20, 1), (33, 1)],
-        pad_rows=0,
-        pad_tokens=0,
-        num_kv_heads=2,
-        group=3,
-        head_dim=64,
-        block_size=16,
-        window=None,
-        share=False,
-    )
+    q, k, v, cache, meta = small_step(6, [(20, 1), (33, 1)])
     kernel = load_paged_attention()
     assert kernel is not None
     blocks, block_size = cache.shape[1], cache.shape[2]
@@ -282,12 +260,12 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written():
     assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0)), "nothing may be written"
 
 
-def _step_for_fallback():
-    return make_step(
-        3,
-        [(30, 1), (0, 4), (17, 2)],
-        pad_rows=1,
-        pad_tokens=2,
+def small_step(seed: int, rows: list[tuple[int, int]], **overrides: object):
+    """:func:`make_step` with SmolLM2's head shape per KV head (3 query heads of 64), 2 KV heads,
+    16-token pages, no padding, window or shared page unless ``overrides`` say otherwise."""
+    options: dict = dict(
+        pad_rows=0,
+        pad_tokens=0,
         num_kv_heads=2,
         group=3,
         head_dim=64,
@@ -295,6 +273,11 @@ def _step_for_fallback():
         window=None,
         share=False,
     )
+    return make_step(seed, rows, **{**options, **overrides})
+
+
+def _step_for_fallback():
+    return small_step(3, [(30, 1), (0, 4), (17, 2)], pad_rows=1, pad_tokens=2)
 
 
 def test_no_compiler_falls_back_to_sdpa_with_one_warning(monkeypatch, tmp_path, caplog):

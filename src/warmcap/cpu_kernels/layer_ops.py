@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from warmcap.cpu_kernels.build import KernelBuildError, load_library
-from warmcap.cpu_kernels.policy import kernel_mode, plain_cpu_tensors
-from warmcap.errors import ConfigError
+from warmcap.cpu_kernels.policy import load_by_mode, plain_cpu_tensors
 
 log = logging.getLogger("warmcap.models")
 
@@ -124,15 +122,8 @@ class LayerOps:
 def load_layer_ops() -> LayerOps | None:
     """The ops, or None for torch's (``torch`` mode, or ``auto`` and no working compiler: then one
     warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead."""
-    mode = kernel_mode(ENV)
-    if mode == "torch":
-        return None
-    try:
-        lib = load_library("layer_ops.c")
-    except KernelBuildError as exc:
-        if mode == "kernel":
-            raise ConfigError(f"{ENV}=kernel but the CPU layer ops cannot be built: {exc}") from exc
-        log.warning("CPU layer ops unavailable, using torch's (set %s=torch to silence): %s", ENV, exc)
+    lib = load_by_mode(ENV, "layer_ops.c", what="the CPU layer ops", instead="torch's", log=log)
+    if lib is None:
         return None
     rms_norm, rope = lib.warmcap_rms_norm, lib.warmcap_rope
     rms_norm.argtypes, rms_norm.restype = _RMS_NORM_ARGS, None

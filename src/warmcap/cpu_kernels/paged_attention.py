@@ -19,9 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from warmcap.cpu_kernels.build import KernelBuildError, load_library
-from warmcap.cpu_kernels.policy import Mode, kernel_mode
-from warmcap.errors import ConfigError
+from warmcap.cpu_kernels.policy import Mode, kernel_mode, load_by_mode
 
 if TYPE_CHECKING:
     from warmcap.contracts.metadata import AttentionMetadata
@@ -182,17 +180,10 @@ class PagedAttentionKernel:
 def load_paged_attention() -> PagedAttentionKernel | None:
     """The kernel, or None for gather + SDPA (``torch`` mode, or ``auto`` and no working compiler:
     then one warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead."""
-    mode = cpu_attention_mode()
-    if mode == "torch":
-        return None
-    try:
-        lib = load_library("paged_attention.c")
-    except KernelBuildError as exc:
-        if mode == "kernel":
-            raise ConfigError(f"{ENV}=kernel but the CPU attention kernel cannot be built: {exc}") from exc
-        log.warning(
-            "CPU attention kernel unavailable, using gather + SDPA (set %s=torch to silence): %s", ENV, exc
-        )
+    lib = load_by_mode(
+        ENV, "paged_attention.c", what="the CPU attention kernel", instead="gather + SDPA", log=log
+    )
+    if lib is None:
         return None
     fn = lib.warmcap_paged_attention
     fn.argtypes = _ARGTYPES

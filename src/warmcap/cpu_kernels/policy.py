@@ -8,12 +8,15 @@ built.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 from typing import Literal
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from warmcap.cpu_kernels.build import KernelBuildError, load_library
 from warmcap.errors import ConfigError
 
 Mode = Literal["auto", "torch", "kernel"]
@@ -26,6 +29,24 @@ def kernel_mode(env: str) -> Mode:
     if value not in MODES:
         raise ConfigError(f"{env}={value!r} is not a CPU kernel mode; use one of {', '.join(MODES)}")
     return value  # type: ignore[return-value]
+
+
+def load_by_mode(
+    env: str, source: str, *, what: str, instead: str, log: logging.Logger
+) -> ctypes.CDLL | None:
+    """The library built from ``source`` as ``$env`` allows: None in ``torch`` mode, or in ``auto``
+    mode when it cannot be built (then one warning on ``log`` naming ``what`` is unavailable and
+    ``instead`` runs); ``kernel`` mode raises :class:`ConfigError` instead."""
+    mode = kernel_mode(env)
+    if mode == "torch":
+        return None
+    try:
+        return load_library(source)
+    except KernelBuildError as exc:
+        if mode == "kernel":
+            raise ConfigError(f"{env}=kernel but {what} cannot be built: {exc}") from exc
+        log.warning("%s is unavailable, using %s (set %s=torch to silence): %s", what, instead, env, exc)
+        return None
 
 
 def plain_cpu_tensors(*tensors: torch.Tensor) -> bool:
