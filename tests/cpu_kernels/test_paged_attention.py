@@ -167,20 +167,10 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_steps_past_the_query_bound_keep_sdpa(kernel_calls: list[int]):
     calls = kernel_calls
-    common = dict(
-        pad_rows=0,
-        pad_tokens=0,
-        num_kv_heads=1,
-        group=3,
-        head_dim=64,
-        block_size=16,
-        window=None,
-        share=False,
-    )
-    q, k, v, cache, meta = make_step(0, [(5, MAX_QUERY_LEN + 1), (20, 1)], **common)
+    q, k, v, cache, meta = small_step(0, [(5, MAX_QUERY_LEN + 1), (20, 1)], num_kv_heads=1)
     KERNEL.forward(q, k, v, cache, meta, scale=0.125)
     assert calls == []
-    q, k, v, cache, meta = make_step(0, [(5, MAX_QUERY_LEN), (20, 1)], **common)
+    q, k, v, cache, meta = small_step(0, [(5, MAX_QUERY_LEN), (20, 1)], num_kv_heads=1)
     KERNEL.forward(q, k, v, cache, meta, scale=0.125)
     assert calls == [1]
 
