@@ -180,7 +180,9 @@ def load_model(
         from warmcap.models.packed_linear import prepack_linears
 
         prepack_linears(model)
-        attach_cpu_layer_ops(model)
+        if torch.device(device).type == "cpu":
+            # Compiled for and checked against CPU tensors only: a GPU model never builds them.
+            attach_cpu_layer_ops(model)
     return model.eval()
 
 
