@@ -47,19 +47,7 @@ class LayerOps:
         if not (_rows(x, n) and weight.is_contiguous() and plain_cpu_tensors(x, weight)):
             return None
         out = torch.empty(x.shape, dtype=torch.float32)
-        self._rms_norm(
-            out.data_ptr(),
-            None,
-            x.data_ptr(),
-            x.stride(0),
-            None,
-            0,
-            weight.data_ptr(),
-            x.shape[0],
-            n,
-            eps,
-            torch.get_num_threads(),
-        )
+        self._norm(out, None, x, None, weight, eps)
         return out
 
     def add_rms_norm(
@@ -78,20 +66,32 @@ class LayerOps:
             return None
         h = torch.empty(x.shape, dtype=torch.float32)
         out = torch.empty(x.shape, dtype=torch.float32)
+        self._norm(out, h, x, delta, weight, eps)
+        return h, out
+
+    def _norm(
+        self,
+        out: torch.Tensor,
+        h: torch.Tensor | None,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """``warmcap_rms_norm`` on checked tensors: ``out`` = norm of x (+ delta, stored to h)."""
         self._rms_norm(
             out.data_ptr(),
-            h.data_ptr(),
+            None if h is None else h.data_ptr(),
             x.data_ptr(),
             x.stride(0),
-            delta.data_ptr(),
-            delta.stride(0),
+            None if delta is None else delta.data_ptr(),
+            0 if delta is None else delta.stride(0),
             weight.data_ptr(),
             x.shape[0],
-            n,
+            weight.shape[0],
             eps,
             torch.get_num_threads(),
         )
-        return h, out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate x ``[T, H, D]`` in place by cos/sin ``[T, D]``, bit for bit as

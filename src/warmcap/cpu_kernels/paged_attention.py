@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from warmcap.cpu_kernels.policy import Mode, kernel_mode, load_by_mode
+from warmcap.cpu_kernels.policy import load_by_mode
 
 if TYPE_CHECKING:
     from warmcap.contracts.metadata import AttentionMetadata
@@ -72,11 +72,6 @@ _ARGTYPES = [
     _ptr,  # write slots, int64
     _i64,  # tokens to write
 ]
-
-
-def cpu_attention_mode() -> Mode:
-    """The CPU attention path asked for by ``$WARMCAP_CPU_ATTENTION`` (``auto`` when unset)."""
-    return kernel_mode(ENV)
 
 
 @dataclass(frozen=True, slots=True)

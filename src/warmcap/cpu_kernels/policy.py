@@ -21,6 +21,8 @@ from warmcap.errors import ConfigError
 
 Mode = Literal["auto", "torch", "kernel"]
 MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
+#: the tensor types a kernel may read: plain tensors and parameters (not fakes or other subclasses)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def kernel_mode(env: str) -> Mode:
@@ -64,6 +66,3 @@ def plain_cpu_tensors(*tensors: torch.Tensor) -> bool:
         if grad and x.requires_grad:
             return False
     return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -71,10 +71,8 @@ class RMSNorm(nn.Module):
         """``(h + delta, self(h + delta))``: the residual stream after a block and its norm (one
         pass with the CPU layer ops; the sum is exact either way)."""
         ops = self.cpu_ops
-        if ops is not None and self.weight.dtype == torch.float32:
-            both = ops.add_rms_norm(h, delta, self.weight, self.eps)
-            if both is not None:
-                return both
+        if ops is not None and (both := ops.add_rms_norm(h, delta, self.weight, self.eps)) is not None:
+            return both
         h = h + delta
         return h, self(h)
 
