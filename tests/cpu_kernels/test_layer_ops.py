@@ -90,6 +90,36 @@ def test_rope_in_place_equals_apply_rope_bit_for_bit(ops, tokens, heads, d, extr
     assert torch.equal(fused[:, heads:], untouched), "only the given heads may change"
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    vocab=st.integers(1, 9000),
+    pad=st.sampled_from([0, 3]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_greedy_candidate_test_is_the_bound_formula(ops, rows, vocab, pad, threads, seed):
+    gen = torch.Generator().manual_seed(seed)
+    approx = (torch.randn(rows, vocab + pad, generator=gen) * 4).bfloat16()[:, :vocab]
+    cx = torch.rand(rows, 1, generator=gen) * 0.05
+    absolute = torch.rand(rows, 1, generator=gen) * 1e-3
+    norms = torch.rand(vocab, generator=gen) * 3
+    scratch = torch.empty(9 * vocab, dtype=torch.uint8)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ids, lo = ops.greedy_candidates(approx, cx, absolute, norms, scratch)
+    finally:
+        torch.set_num_threads(saved)
+    # The formula of models/greedy_head.py, one float32 op at a time (no fused multiply-add).
+    z = approx.float()
+    spread = cx * norms
+    want_lo = (z - spread).amax(dim=1, keepdim=True) - 2 * absolute
+    assert torch.equal(lo, want_lo)
+    assert torch.equal(ids, ((z + spread) >= want_lo).any(dim=0).nonzero().squeeze(1))
+    assert ids.numel() >= 1, "each row's own maximum is always a candidate"
+
+
 def test_tensors_the_kernels_cannot_take_are_refused_untouched(ops):
     x = torch.randn(4, 64)
     w = torch.randn(64)
@@ -110,6 +140,12 @@ def test_tensors_the_kernels_cannot_take_are_refused_untouched(ops):
     assert not ops.rope_(q.transpose(1, 2).contiguous().transpose(1, 2), cos, sin), "unit stride in D"
     assert not ops.rope_(q.double(), cos.double(), sin.double())
     assert torch.equal(q, before)
+    approx, c, norms = torch.randn(2, 50).bfloat16(), torch.rand(2, 1), torch.rand(50)
+    scratch = torch.empty(9 * 50, dtype=torch.uint8)
+    assert ops.greedy_candidates(approx, c, c, norms, scratch) is not None
+    assert ops.greedy_candidates(approx.float(), c, c, norms, scratch) is None, "the screen is bf16"
+    assert ops.greedy_candidates(approx, c, c, norms[:49], scratch) is None, "one norm per id"
+    assert ops.greedy_candidates(approx, c, c, norms, scratch[:-1]) is None, "scratch too small"
 
 
 def test_the_switch(monkeypatch, tmp_path, caplog):

@@ -1,7 +1,8 @@
 /*
- * Small per-layer ops of a decoder on CPU, float32: RMSNorm (optionally after the residual add) and
- * rotate-half RoPE in place. Each replaces several torch ops (a dispatch and a pass over memory
- * each) by one call: at decode sizes the calls, not the arithmetic, were the cost.
+ * Small per-layer ops of a decoder on CPU, float32: RMSNorm (optionally after the residual add),
+ * rotate-half RoPE in place, and the candidate test of the screened greedy LM head. Each replaces
+ * several torch ops (a dispatch and a pass over memory each) by one call: at decode sizes the calls
+ * and passes, not the arithmetic, were the cost.
  *
  * Built with -ffp-contract=off (build.py, EXTRA_FLAGS): no product is fused into an add, so RoPE
  * rounds exactly as torch's mul and add do and gives the same bits. RMSNorm sums its squares in a
@@ -74,4 +75,67 @@ void warmcap_rope(float *restrict x, int64_t stride_t, int64_t stride_h, int64_t
             }
         }
     }
+}
+
+static inline float bf16_to_float(uint16_t b)
+{
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)b << 16};
+    return v.f;
+}
+
+/*
+ * The candidate test of the screened greedy head (models/greedy_head.py, whose docstring proves
+ * it) over its bf16 screen z = approx [rows, vocab] (row stride a_stride), with t = cx[m] *
+ * norms[v] rounded to float:
+ *   lo[m] = max_v (z[m, v] - t) - 2 * absolute[m],
+ *   v is a candidate when z[m, v] + t >= lo[m] for some row m.
+ * Writes lo [rows], the candidates to ids in ascending order, and returns how many there are.
+ * flags is scratch of vocab bytes. One pass over the screen per test, in place of the torch path's
+ * float32 copy and six passes over it.
+ */
+int64_t warmcap_greedy_candidates(const uint16_t *restrict approx, int64_t a_stride, const float *restrict cx,
+                                  const float *restrict absolute, const float *restrict norms, int64_t rows,
+                                  int64_t vocab, float *restrict lo, uint8_t *restrict flags, int64_t *restrict ids,
+                                  int32_t num_threads)
+{
+    const int parallel = num_threads > 1 && rows * vocab >= 65536;
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (int64_t m = 0; m < rows; ++m) {
+        const uint16_t *a = approx + m * a_stride;
+        const float c = cx[m];
+        float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+        for (int64_t v = 0; v < vocab; ++v) {
+            const float low = bf16_to_float(a[v]) - c * norms[v];
+            best = best > low ? best : low;
+        }
+        lo[m] = best - 2.0f * absolute[m];
+    }
+    const int64_t chunk = 4096;
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (int64_t start = 0; start < vocab; start += chunk) {
+        const int64_t end = start + chunk < vocab ? start + chunk : vocab;
+        for (int64_t v = start; v < end; ++v) {
+            flags[v] = 0;
+        }
+        for (int64_t m = 0; m < rows; ++m) {
+            const uint16_t *a = approx + m * a_stride;
+            const float c = cx[m];
+            const float l = lo[m];
+#pragma omp simd
+            for (int64_t v = start; v < end; ++v) {
+                flags[v] |= (uint8_t)(bf16_to_float(a[v]) + c * norms[v] >= l);
+            }
+        }
+    }
+    int64_t k = 0;
+    for (int64_t v = 0; v < vocab; ++v) {
+        if (flags[v]) {
+            ids[k++] = v;
+        }
+    }
+    return k;
 }

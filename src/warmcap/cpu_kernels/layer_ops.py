@@ -1,5 +1,5 @@
-"""The compiled per-layer ops (``layer_ops.c``): RMSNorm, RMSNorm after the residual add, and RoPE
-in place, for float32 decoders on CPU.
+"""The compiled per-layer ops (``layer_ops.c``): RMSNorm, RMSNorm after the residual add, RoPE in
+place, and the candidate test of the screened greedy head, for float32 decoders on CPU.
 
 ``WARMCAP_CPU_LAYER_OPS`` (``auto``/``torch``/``kernel``, :mod:`.policy`) decides at model load
 (:func:`load_layer_ops`); a model keeps what it was given. Each op also checks its tensors on every
@@ -26,6 +26,7 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _RMS_NORM_ARGS = [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_float, _i32]
 _ROPE_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i32]
+_GREEDY_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i32]
 
 
 def _rows(x: torch.Tensor, n: int) -> bool:
@@ -39,6 +40,7 @@ class LayerOps:
 
     _rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
     _rope: ctypes._CFuncPtr  # type: ignore[name-defined]
+    _greedy: ctypes._CFuncPtr  # type: ignore[name-defined]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``F.rms_norm(x, weight.shape, weight, eps)`` for x ``[rows, n]``; None when the kernel
@@ -118,6 +120,52 @@ class LayerOps:
         )
         return True
 
+    def greedy_candidates(
+        self,
+        approx: torch.Tensor,
+        cx: torch.Tensor,
+        absolute: torch.Tensor,
+        norms: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The candidate test of :class:`~warmcap.models.greedy_head.GreedyHead` in one call:
+        ``(ids, lo)``, the candidates' ids ascending (int64 ``[K]``) and each row's lower bound
+        ``lo`` (float32 ``[M, 1]``), for the bf16 screen ``approx`` ``[M, V]`` (unit stride in V),
+        ``cx`` and ``absolute`` float32 ``[M, 1]`` and the row norms ``[V]``. ``scratch`` is uint8,
+        at least ``9 * V`` bytes. None when the kernel cannot take these tensors."""
+        m, v = approx.shape
+        if not (
+            approx.dtype == torch.bfloat16
+            and approx.device.type == "cpu"
+            and approx.stride(1) == 1
+            and cx.shape == absolute.shape == (m, 1)
+            and norms.shape == (v,)
+            and cx.is_contiguous()
+            and absolute.is_contiguous()
+            and norms.is_contiguous()
+            and scratch.dtype == torch.uint8
+            and scratch.numel() >= 9 * v
+            and scratch.is_contiguous()
+            and plain_cpu_tensors(cx, absolute, norms)
+        ):
+            return None
+        lo = torch.empty((m, 1), dtype=torch.float32)
+        ids = scratch[: 8 * v].view(torch.int64)
+        k = self._greedy(
+            approx.data_ptr(),
+            approx.stride(0),
+            cx.data_ptr(),
+            absolute.data_ptr(),
+            norms.data_ptr(),
+            m,
+            v,
+            lo.data_ptr(),
+            scratch[8 * v :].data_ptr(),
+            ids.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return ids[:k].clone(), lo
+
 
 def load_layer_ops() -> LayerOps | None:
     """The ops, or None for torch's (``torch`` mode, or ``auto`` and no working compiler: then one
@@ -125,7 +173,8 @@ def load_layer_ops() -> LayerOps | None:
     lib = load_by_mode(ENV, "layer_ops.c", what="the CPU layer ops", instead="torch's", log=log)
     if lib is None:
         return None
-    rms_norm, rope = lib.warmcap_rms_norm, lib.warmcap_rope
+    rms_norm, rope, greedy = lib.warmcap_rms_norm, lib.warmcap_rope, lib.warmcap_greedy_candidates
     rms_norm.argtypes, rms_norm.restype = _RMS_NORM_ARGS, None
     rope.argtypes, rope.restype = _ROPE_ARGS, None
-    return LayerOps(rms_norm, rope)
+    greedy.argtypes, greedy.restype = _GREEDY_ARGS, ctypes.c_int64
+    return LayerOps(rms_norm, rope, greedy)

@@ -181,7 +181,8 @@ class DecoderForCausalLM(nn.Module):
         or a head that is not a packed float32 CPU linear (batch-invariant, tensor-parallel, GPU)."""
         if not self._logits_are_the_head():
             return None
-        return GreedyHead.build(self.lm_head)
+        # The CPU layer ops, where the loader attached them, also hold the head's candidate test.
+        return GreedyHead.build(self.lm_head, getattr(self.model.final_norm, "cpu_ops", None))
 
     def _logits_are_the_head(self) -> bool:
         """:meth:`compute_logits` is ``lm_head(hidden)`` itself (not overridden by the family)."""

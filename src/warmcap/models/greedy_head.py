@@ -22,6 +22,11 @@ round-to-nearest), e = 2^-24 (float32), g_n = n e / (1 - n e), S_v = sum_i |x_i 
   float32 argmax v* satisfies z^_v* + b_v* >= z_v* >= max_u z_u >= max_u (z^_u - b_u): v* lies in
   C = {v : z^_v + b_v >= max_u (z^_u - b_u)}.
 
+On CPU the loader's compiled layer ops (``cpu_kernels/layer_ops.c``) run the test above in one
+call: two passes over the bf16 screen instead of a float32 copy and six torch passes over it
+(~1 ms a step on SmolLM2 at 16 rows). It evaluates the same float32 expressions, so it finds the
+same candidates; without the ops, torch's passes run.
+
 The candidates of all rows are re-scored in float32 by the same oneDNN kernel the full head runs
 (their rows gathered and packed, one small product), and each row takes its first maximum among
 its own candidates; ids are ascending, so ties go to the lowest id as ``torch.argmax`` and
@@ -35,7 +40,8 @@ lie within 2 g_n S_v of each other (both are float32 roundings of the same real 
 the token chosen would still be one of them.
 
 Memory: the head keeps a bf16 copy of the weight (2 bytes per weight; 56.6 MB for SmolLM2's
-49152 x 576), float32 row norms and a 2 x 16-row float32 scratch (6.3 MB there); the float32
+49152 x 576), float32 row norms and a scratch: 2 x 16 float32 rows for torch's passes (6.3 MB
+there; :func:`screen_bytes` counts this, the larger), 9 bytes per id for the compiled test; the float32
 weight used to re-score is the LM head's own parameter (shared with the tied embedding, never
 copied).
 
@@ -53,6 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from warmcap.cpu_kernels.layer_ops import LayerOps
 from warmcap.models.packed_linear import PackedLinear, can_prepack
 
 #: environment switch: "0" computes the full logits on every step (the A/B peer)
@@ -149,13 +156,17 @@ class GreedyHead:
     max_norm: float
     coefficient: float
     hidden_size: int
-    #: float32 ``[2, _CHUNK, V]`` scratch of :meth:`screen`, made on first use
+    #: the compiled candidate test (``cpu_kernels/layer_ops.c``); None: torch's ops
+    ops: LayerOps | None = None
+    #: scratch of :meth:`screen`, made on first use: float32 ``[2, _CHUNK, V]`` for torch's ops,
+    #: ``9 V`` bytes for the compiled test
     work: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, head: nn.Module) -> GreedyHead | None:
+    def build(cls, head: nn.Module, ops: LayerOps | None = None) -> GreedyHead | None:
         """The screened head of ``head``, or None where it cannot be exact or fast: not a packed
-        float32 CPU linear without bias, no oneDNN bf16, or a weight with NaN/Inf."""
+        float32 CPU linear without bias, no oneDNN bf16, or a weight with NaN/Inf. ``ops``: the
+        compiled CPU layer ops, whose candidate test replaces torch's passes when given."""
         if type(head) is not PackedLinear or head.group is not None or head.bias is not None:
             return None
         weight = head.weight.detach()
@@ -176,6 +187,7 @@ class GreedyHead:
             max_norm=max_norm,
             coefficient=bound_coefficient(weight.shape[1]),
             hidden_size=weight.shape[1],
+            ops=ops,
         )
 
     @property
@@ -211,6 +223,14 @@ class GreedyHead:
         cx = (scale * self.coefficient).unsqueeze(1)
         absolute = (2.0**-123 * (2 * n + 1 + math.sqrt(n) * (scale + self.max_norm))).unsqueeze(1)
         approx = _linear(x.bfloat16(), self.screen_weight)
+        if self.ops is not None:
+            found = self.ops.greedy_candidates(
+                approx, cx, absolute, self.row_norms, self._workspace(9, torch.uint8)
+            )
+            if found is not None:
+                ids, lo = found
+                member = torch.addcmul(approx[:, ids].float(), cx, self.row_norms[ids]) >= lo
+                return Screen(ids=ids, member=member)
         with _serial():
             lo = torch.empty_like(cx)
             slack = torch.full_like(self.row_norms, float("-inf"))
@@ -233,7 +253,7 @@ class GreedyHead:
         both absolute terms, and ``slack`` raised to max over the rows of z^_v + c||x|| ||w_v|| - lo;
         v is a candidate of a row iff its own slack is >= 0."""
         m = approx.shape[0]
-        work = self._workspace()
+        work = self._workspace(2 * _CHUNK, torch.float32).view(2, _CHUNK, -1)
         z, tmp = work[0, :m], work[1, :m]
         # NOTE: into preallocated buffers: a fresh [m, V] float32 result each step costs more in
         # page faults than the arithmetic (measured ~1 ms per 3 MB on one thread).
@@ -244,9 +264,11 @@ class GreedyHead:
         torch.addcmul(z, cx, self.row_norms, out=tmp).sub_(lo)
         torch.maximum(slack, tmp.amax(dim=0), out=slack)
 
-    def _workspace(self) -> torch.Tensor:
-        if self.work is None:
-            self.work = torch.empty(2, _CHUNK, self.row_norms.numel())
+    def _workspace(self, per_id: int, dtype: torch.dtype) -> torch.Tensor:
+        """``per_id`` elements of ``dtype`` per vocabulary id, flat (kept between steps)."""
+        size = per_id * self.row_norms.numel()
+        if self.work is None or self.work.dtype != dtype or self.work.numel() != size:
+            self.work = torch.empty(size, dtype=dtype)
         return self.work
 
     def rescore(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -262,7 +284,7 @@ class GreedyHead:
         if not self.usable():
             return None
         screen = self.screen(x)
-        if screen is None or screen.ids.numel() > self.max_candidates:
+        if screen is None or not 0 < screen.ids.numel() <= self.max_candidates:
             return None
         with _serial():
             logits = self.rescore(x, screen.ids).masked_fill_(~screen.member, float("-inf"))
