@@ -93,6 +93,10 @@ static inline __attribute__((always_inline)) float exp_nonpositive(float x)
     return x < -87.3f ? 0.0f : p * scale;
 }
 
+/* How many positions ahead the scores prefetch a row's keys (8: measured on SmolLM2's shapes, 16 rows of
+ * 30-110 keys and 30 layers' caches, 1 thread: 219 -> 193 us a call median, the same bits). */
+#define KEYS_AHEAD 8
+
 /* Prefetch the `floats` floats at p (a hint: it never faults and reads nothing into a result, so a
  * page's unread tail may be prefetched safely), into L2 and beyond (locality 2). */
 static inline void prefetch_floats(const float *p, int64_t floats)
@@ -146,6 +150,17 @@ static inline __attribute__((always_inline)) int attend_position(
         }
         const int64_t slot = ((int64_t)block * block_size + p % block_size) * token_stride + (int64_t)hb * d;
         prefetch_floats(v_cache + slot, head_floats);
+        /* And the keys KEYS_AHEAD positions on: the hardware's stream stops at a page's end, and a
+         * row's first keys were not fetched while the row before it summed its values. */
+        if (j + KEYS_AHEAD < n) {
+            const int32_t ahead = p + KEYS_AHEAD;
+            const int32_t ahead_block = table_row[ahead / block_size];
+            if (ahead_block >= 0 && ahead_block < num_blocks) {
+                prefetch_floats(
+                    k_cache + ((int64_t)ahead_block * block_size + ahead % block_size) * token_stride + (int64_t)hb * d,
+                    head_floats);
+            }
+        }
         for (int32_t h = 0; h < he - hb; ++h) {
             const float *key = k_cache + slot + (int64_t)h * d;
             for (int32_t g = 0; g < group; ++g) {
