@@ -15,3 +15,16 @@ def _private_startup_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch
     """`warmup run` keeps a start-up cache by default: each test gets its own, empty one, so no
     test reads verdicts another wrote, nor writes into the user's cache."""
     monkeypatch.setenv("WARMCAP_STARTUP_CACHE", str(tmp_path_factory.mktemp("startup-cache")))
+
+
+@pytest.fixture(scope="session")
+def cpu_layer_ops():
+    """The compiled CPU layer ops (``cpu_kernels/layer_ops.c``), built now: a test that asks for them
+    fails, rather than silently testing torch's ops, where they cannot be built."""
+    from warmcap.cpu_kernels.layer_ops import ENV, load_layer_ops
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "kernel")
+        loaded = load_layer_ops()
+    assert loaded is not None
+    return loaded

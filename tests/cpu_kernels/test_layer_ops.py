@@ -18,13 +18,9 @@ from warmcap.errors import ConfigError
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 
-@pytest.fixture(scope="module")
-def ops() -> LayerOps:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV, "kernel")
-        loaded = load_layer_ops()
-    assert loaded is not None
-    return loaded
+@pytest.fixture(scope="session")
+def ops(cpu_layer_ops: LayerOps) -> LayerOps:
+    return cpu_layer_ops
 
 
 def rows_view(gen: torch.Generator, rows: int, n: int, pad: int, scale: float) -> torch.Tensor:

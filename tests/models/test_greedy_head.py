@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from warmcap.cpu_kernels.layer_ops import ENV as LAYER_OPS_ENV
-from warmcap.cpu_kernels.layer_ops import LayerOps, load_layer_ops
+from warmcap.cpu_kernels.layer_ops import LayerOps
 from warmcap.models.greedy_head import GreedyHead, bound_coefficient
 from warmcap.models.loader import load_model
 from warmcap.models.packed_linear import prepack_linears, unpack_linears
@@ -52,16 +51,6 @@ def check_exact(head: nn.Module, greedy: GreedyHead, x: torch.Tensor) -> None:
     assert bool(screen.member[torch.arange(len(x)), position].all())
 
 
-@pytest.fixture(scope="module")
-def layer_ops() -> LayerOps:
-    """The compiled CPU layer ops, whose candidate test the screen uses when it is given them."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(LAYER_OPS_ENV, "kernel")
-        loaded = load_layer_ops()
-    assert loaded is not None
-    return loaded
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     compiled=st.booleans(),
@@ -73,7 +62,7 @@ def layer_ops() -> LayerOps:
     seed=st.integers(0, 2**16),
 )
 def test_screened_argmax_equals_the_full_float32_argmax(
-    layer_ops: LayerOps,
+    cpu_layer_ops: LayerOps,
     compiled: bool,
     vocab: int,
     hidden: int,
@@ -99,17 +88,17 @@ def test_screened_argmax_equals_the_full_float32_argmax(
         weight[: vocab // 3] = 0.0  # unused ids: exact zeros, b_v = the absolute term only
         weight[planted] = x[0] / x[0].norm() * 0.5
     head = packed_head(weight)
-    greedy = GreedyHead.build(head, layer_ops if compiled else None)
+    greedy = GreedyHead.build(head, cpu_layer_ops if compiled else None)
     assert greedy is not None
     with torch.inference_mode():
         check_exact(head, greedy, x)
         assert exact_error_ratio(greedy, x) <= bound_coefficient(hidden)
 
 
-def test_the_compiled_candidate_test_finds_what_torch_ops_find(layer_ops: LayerOps) -> None:
+def test_the_compiled_candidate_test_finds_what_torch_ops_find(cpu_layer_ops: LayerOps) -> None:
     gen = torch.Generator().manual_seed(3)
     head = packed_head(torch.randn(3000, 64, generator=gen) * 0.1)
-    compiled, plain = GreedyHead.build(head, layer_ops), GreedyHead.build(head)
+    compiled, plain = GreedyHead.build(head, cpu_layer_ops), GreedyHead.build(head)
     assert compiled is not None and plain is not None
     with torch.inference_mode():
         for rows in (1, 5, 16, 37):  # 37: past one 16-row chunk of torch's passes
@@ -121,7 +110,7 @@ def test_the_compiled_candidate_test_finds_what_torch_ops_find(layer_ops: LayerO
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_tie_goes_to_the_lowest_id(layer_ops: LayerOps, compiled: bool) -> None:
+def test_a_tie_goes_to_the_lowest_id(cpu_layer_ops: LayerOps, compiled: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(512, 64, generator=gen) * 0.01
     x = torch.randn(3, 64, generator=gen)
@@ -129,7 +118,7 @@ def test_a_tie_goes_to_the_lowest_id(layer_ops: LayerOps, compiled: bool) -> Non
         weight[winner] = x[row] / x[row].norm()
         weight[winner + 5] = weight[winner]
     head = packed_head(weight)
-    greedy = GreedyHead.build(head, layer_ops if compiled else None)
+    greedy = GreedyHead.build(head, cpu_layer_ops if compiled else None)
     assert greedy is not None
     with torch.inference_mode():
         assert greedy.argmax(x).tolist() == [7, 300, 500]
@@ -137,9 +126,9 @@ def test_a_tie_goes_to_the_lowest_id(layer_ops: LayerOps, compiled: bool) -> Non
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e36, 0.0])
-def test_rows_outside_the_bound_take_the_full_logits(layer_ops: LayerOps, bad: float) -> None:
+def test_rows_outside_the_bound_take_the_full_logits(cpu_layer_ops: LayerOps, bad: float) -> None:
     head = packed_head(torch.randn(256, 32))
-    greedy = GreedyHead.build(head, layer_ops)
+    greedy = GreedyHead.build(head, cpu_layer_ops)
     assert greedy is not None
     x = torch.randn(4, 32)
     x[2] = bad
