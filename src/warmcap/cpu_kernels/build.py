@@ -1,9 +1,10 @@
 """Compile a C kernel of this package once per machine into the warmcap cache, then load it.
 
 The shared library's name is keyed by a sha256 of everything that changes the machine code: the
-source, the flags, the compiler's version and the CPU's feature flags (``-march=native``). A build
-goes to a temporary file that is renamed into place, so processes starting together each either
-find a finished library or build their own copy; none loads a half-written file.
+source and the package's headers, the flags, the compiler's version and the CPU's feature flags
+(``-march=native``). A build goes to a temporary file that is renamed into place, so processes
+starting together each either find a finished library or build their own copy; none loads a
+half-written file.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ COMPILE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-shared",
 EXTRA_FLAGS: dict[str, tuple[str, ...]] = {
     # RoPE must round as torch's separate mul and add do: no fused multiply-add.
     "layer_ops.c": ("-ffp-contract=off",),
+    # Every multiply-add of the GEMM is one fused instruction, in every variant of its tile.
+    "gemm.c": ("-ffp-contract=fast",),
 }
 
 
@@ -83,12 +86,21 @@ def _compiler_version(cc: str) -> str:
     return done.stdout.strip()
 
 
+def _headers() -> bytes:
+    """The text of every header of this package (a source may include any of them)."""
+    files = sorted(
+        (f for f in resources.files(__package__).iterdir() if f.name.endswith(".h")), key=lambda f: f.name
+    )
+    return b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
+
+
 def library_path(source: str, cc: str) -> Path:
     """Where the library built from this package's C file ``source`` by ``cc`` lives."""
     text = resources.files(__package__).joinpath(source).read_bytes()
     digest = hashlib.sha256()
     for part in (
         text,
+        _headers(),
         " ".join(flags_of(source)).encode(),
         _compiler_version(cc).encode(),
         _cpu_flags().encode(),
