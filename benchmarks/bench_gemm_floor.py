@@ -7,8 +7,8 @@ template, ``--max-tokens`` new tokens each, greedy) runs as one prefill step ove
 not served by the prefix cache, then ``max_tokens - 1`` decode steps of one row per prompt. This
 script replays exactly the linear layers those steps run in warmcap: per layer the packed q/k/v
 GEMM, ``o_proj``, the packed gate/up GEMM and ``down_proj``, then the LM head on one row per prompt;
-with the model's own prepacked weights (``models/packed_linear.py``) and the oneDNN kernel vLLM's
-CPU build also calls. Attention, norms, RoPE, activations, sampling and all host work are left out,
+with the model's own prepacked weights and kernel (``models/packed_linear.py``: the compiled GEMM
+where it builds; ``WARMCAP_CPU_GEMM=torch`` gives oneDNN's, the kernel vLLM's CPU build also calls). Attention, norms, RoPE, activations, sampling and all host work are left out,
 so the time is a floor for any engine doing this arithmetic with these kernels in float32.
 
 It prints the floor in seconds and as tokens/s (generated tokens over the floor): no engine on these

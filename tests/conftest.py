@@ -18,6 +18,19 @@ def _private_startup_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch
 
 
 @pytest.fixture(scope="session")
+def cpu_gemm():
+    """The compiled CPU GEMM (``cpu_kernels/gemm.c``), built now: a test that asks for it fails,
+    rather than silently testing oneDNN's product, where it cannot be built."""
+    from warmcap.cpu_kernels.gemm import ENV, load_gemm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "kernel")
+        loaded = load_gemm()
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture(scope="session")
 def cpu_layer_ops():
     """The compiled CPU layer ops (``cpu_kernels/layer_ops.c``), built now: a test that asks for them
     fails, rather than silently testing torch's ops, where they cannot be built."""

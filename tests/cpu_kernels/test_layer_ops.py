@@ -4,17 +4,15 @@ without the residual add) to the last bit or two, RoPE bit for bit; where they r
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mode_rig import assert_same_generation, generate_per_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from warmcap.cpu_kernels.layer_ops import ENV, LayerOps, load_layer_ops
-from warmcap.errors import ConfigError
+from warmcap.cpu_kernels.layer_ops import ENV, LayerOps
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -144,26 +142,7 @@ def test_tensors_the_kernels_cannot_take_are_refused_untouched(ops):
     assert ops.greedy_candidates(approx, c, c, norms, scratch[:-1]) is None, "scratch too small"
 
 
-def test_the_switch(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv(ENV, "torch")
-    assert load_layer_ops() is None
-    monkeypatch.setenv(ENV, "quick")
-    with pytest.raises(ConfigError, match=f"{ENV}='quick'.*auto, torch, kernel"):
-        load_layer_ops()
-    monkeypatch.setenv("WARMCAP_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv(ENV, "auto")
-    with caplog.at_level(logging.WARNING, logger="warmcap.models"):
-        assert load_layer_ops() is None
-    assert "/nonexistent/cc" in caplog.text and f"{ENV}=torch" in caplog.text
-    monkeypatch.setenv(ENV, "kernel")
-    with pytest.raises(ConfigError, match="cannot be built"):
-        load_layer_ops()
-
-
 def test_a_model_through_the_layer_ops_generates_what_torch_ops_generate(monkeypatch):
-    from warmcap.llm import LLM
-    from warmcap.sampling_params import SamplingParams
 
     calls: list[str] = []
     for name in ("rms_norm", "add_rms_norm", "rope_"):
@@ -176,21 +155,11 @@ def test_a_model_through_the_layer_ops_generates_what_torch_ops_generate(monkeyp
             return result
 
         monkeypatch.setattr(LayerOps, name, spy)
-    prompts = [[1, 5, 9, 13, 2], [7, 7, 3], [100, 42, 17, 8, 8, 30, 4]]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    results = {}
-    for mode in ("torch", "kernel"):
-        monkeypatch.setenv(ENV, mode)
-        llm = LLM("tiny-llama", device="cpu", num_blocks=64, max_model_len=128, enforce_eager=True)
-        attached = {
-            type(m).__name__ for m in llm.engine.model.modules() if getattr(m, "cpu_ops", None) is not None
-        }
+
+    def attached_in_kernel_mode_only(mode: str, model: torch.nn.Module) -> None:
+        attached = {type(m).__name__ for m in model.modules() if getattr(m, "cpu_ops", None) is not None}
         assert attached == (set() if mode == "torch" else {"RMSNorm", "LlamaAttention"})
-        results[mode] = llm.generate(prompts, params)
+
+    results = generate_per_mode(monkeypatch, ENV, attached_in_kernel_mode_only)
     assert set(calls) == {"rms_norm", "add_rms_norm", "rope_"}
-    for plain, fused in zip(results["torch"], results["kernel"], strict=True):
-        assert fused.token_ids == plain.token_ids
-        for a, b in zip(plain.outputs[0].logprobs, fused.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()
-            for token in a:
-                assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
+    assert_same_generation(results)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from warmcap.cpu_kernels.gemm import Gemm
 from warmcap.cpu_kernels.layer_ops import LayerOps
 from warmcap.models.greedy_head import GreedyHead, bound_coefficient
 from warmcap.models.loader import load_model
@@ -18,10 +19,12 @@ from warmcap.models.presets import resolve_model
 from warmcap.runner_v2.sampler import row_argmax
 
 
-def packed_head(weight: torch.Tensor) -> nn.Linear:
+def packed_head(weight: torch.Tensor, gemm: Gemm | bool = True) -> nn.Linear:
+    """A float32 head packed as the loader packs it (``gemm``: the compiled GEMM's layout, or False
+    for oneDNN's)."""
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = nn.Parameter(weight, requires_grad=False)
-    assert prepack_linears(head) == 1
+    assert prepack_linears(head, gemm=gemm) == 1
     return head
 
 
@@ -54,6 +57,7 @@ def check_exact(head: nn.Module, greedy: GreedyHead, x: torch.Tensor) -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     compiled=st.booleans(),
+    blocked=st.booleans(),
     vocab=st.integers(64, 3000),
     hidden=st.sampled_from([16, 64, 576]),
     rows=st.integers(1, 20),
@@ -63,7 +67,9 @@ def check_exact(head: nn.Module, greedy: GreedyHead, x: torch.Tensor) -> None:
 )
 def test_screened_argmax_equals_the_full_float32_argmax(
     cpu_layer_ops: LayerOps,
+    cpu_gemm: Gemm,
     compiled: bool,
+    blocked: bool,
     vocab: int,
     hidden: int,
     rows: int,
@@ -87,12 +93,18 @@ def test_screened_argmax_equals_the_full_float32_argmax(
     elif ties == "zero_rows":
         weight[: vocab // 3] = 0.0  # unused ids: exact zeros, b_v = the absolute term only
         weight[planted] = x[0] / x[0].norm() * 0.5
-    head = packed_head(weight)
+    head = packed_head(weight, cpu_gemm if blocked else False)
     greedy = GreedyHead.build(head, cpu_layer_ops if compiled else None)
     assert greedy is not None
     with torch.inference_mode():
         check_exact(head, greedy, x)
         assert exact_error_ratio(greedy, x) <= bound_coefficient(hidden)
+        if blocked:
+            # the compiled GEMM gives a column the same bits beside any others: the re-score is
+            # the full head's own float32 values (oneDNN's is checked on SmolLM2 below)
+            screen = greedy.screen(x)
+            assert screen is not None
+            assert torch.equal(greedy.rescore(x, screen.ids), head(x)[:, screen.ids])
 
 
 def test_the_compiled_candidate_test_finds_what_torch_ops_find(cpu_layer_ops: LayerOps) -> None:
@@ -188,6 +200,11 @@ def test_smollm2_screened_argmax_equals_the_full_head(smollm2: nn.Module) -> Non
         assert screen is not None and screen.ids.numel() < 2000
         full = smollm2.compute_logits(hidden)
         assert torch.equal(greedy.rescore(hidden, screen.ids), full[:, screen.ids])
+        # ... and so is it where the head is packed for oneDNN (no compiler, WARMCAP_CPU_GEMM=torch)
+        onednn = packed_head(smollm2.lm_head.weight.detach(), gemm=False)
+        onednn_greedy = GreedyHead.build(onednn)
+        assert onednn_greedy is not None
+        assert torch.equal(onednn_greedy.rescore(hidden, screen.ids), onednn(hidden)[:, screen.ids])
         # near-ties on real rows: move each row along w_b - w_a until its top two tokens a, b have
         # the same real logit; float32 then separates them by a few ulps at most
         top2 = full.topk(2, dim=1).indices

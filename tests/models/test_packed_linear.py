@@ -1,5 +1,6 @@
-"""oneDNN-prepacked linears: the same products as ``F.linear`` (to float32 rounding), applied by the
-loader to plain float32 CPU linears only, and greedy generation unchanged on SmolLM2."""
+"""Prepacked linears, in either layout (oneDNN's, or the compiled GEMM's column blocks): the same
+products as ``F.linear`` (to float32 rounding), applied by the loader to plain float32 CPU linears
+only, and greedy generation unchanged on SmolLM2."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from warmcap.cpu_kernels.gemm import BlockedWeight, Gemm
 from warmcap.models.batch_invariant import BatchInvariantLinear
 from warmcap.models.loader import load_model
 from warmcap.models.packed_linear import (
@@ -39,32 +41,42 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def layout(cpu_gemm: Gemm, blocked: bool) -> Gemm | bool:
+    """``prepack_linears``' ``gemm=``: the compiled GEMM's layout, or oneDNN's."""
+    return cpu_gemm if blocked else False
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     m=st.integers(0, 40),
     shape=st.sampled_from([(64, 96), (576, 192), (576, 1536), (1536, 576)]),
     bias=st.booleans(),
+    blocked=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_packed_linear_computes_the_same_product(m: int, shape, bias: bool, seed: int) -> None:
+def test_packed_linear_computes_the_same_product(
+    cpu_gemm: Gemm, m: int, shape, bias: bool, blocked: bool, seed: int
+) -> None:
     k, n = shape
     torch.manual_seed(seed)
     linear = nn.Linear(k, n, bias=bias)
     x = torch.randn(m, k)
     with torch.inference_mode():
         expected = linear(x)
-        assert prepack_linears(linear) == 1
+        assert prepack_linears(linear, gemm=layout(cpu_gemm, blocked)) == 1
         got = linear(x)
     assert type(linear) is PackedLinear and got.shape == (m, n)
+    assert isinstance(linear.packed_weight, BlockedWeight) == blocked
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
-def test_packed_linear_keeps_leading_dims_and_reads_strided_inputs() -> None:
+@pytest.mark.parametrize("blocked", [True, False])
+def test_packed_linear_keeps_leading_dims_and_reads_strided_inputs(cpu_gemm: Gemm, blocked: bool) -> None:
     linear = nn.Linear(32, 8)
     x = torch.randn(3, 5, 32)
     strided = torch.randn(32, 6).t()  # a transposed view, not contiguous
     expected = (linear(x), linear(strided))
-    prepack_linears(linear)
+    prepack_linears(linear, gemm=layout(cpu_gemm, blocked))
     with torch.inference_mode():
         torch.testing.assert_close(linear(x), expected[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(strided), expected[1], rtol=1e-5, atol=1e-5)
@@ -88,7 +100,8 @@ def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
     out = []
     for m in model.modules():
         if type(m) is PackedLinear:
-            out.append(m.packed_weight if m.group is None else m.group.weight)
+            packed = m.packed_weight if m.group is None else m.group.weight
+            out.append(packed.blocks if isinstance(packed, BlockedWeight) else packed)
     return out
 
 
@@ -103,11 +116,14 @@ class _Siblings(nn.Module):
 @settings(max_examples=25, deadline=None)
 @given(
     m=st.integers(0, 40),
-    sizes=st.sampled_from([(576, 192, 192), (1536, 1536, 8), (64, 32, 96)]),
+    sizes=st.sampled_from([(576, 192, 192), (1536, 1536, 8), (64, 32, 96), (20, 7, 33)]),
     bias=st.booleans(),
+    blocked=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_grouped_linears_give_each_members_product_bit_for_bit(m: int, sizes, bias: bool, seed: int) -> None:
+def test_grouped_linears_give_each_members_product_bit_for_bit(
+    cpu_gemm: Gemm, m: int, sizes, bias: bool, blocked: bool, seed: int
+) -> None:
     """One GEMM over the siblings' concatenated weights equals each member packed alone, exactly:
     fusing q/k/v or gate/up must not move a single greedy token."""
     torch.manual_seed(seed)
@@ -115,9 +131,10 @@ def test_grouped_linears_give_each_members_product_bit_for_bit(m: int, sizes, bi
     grouped.load_state_dict(alone.state_dict())
     x = torch.randn(m, 576)
     with torch.inference_mode():
-        assert prepack_linears(alone, groups=False) == 3  # each alone: no group
+        gemm = layout(cpu_gemm, blocked)
+        assert prepack_linears(alone, groups=False, gemm=gemm) == 3  # each alone: no group
         assert packed_group(alone.a, alone.b, alone.c) is None
-        assert prepack_linears(grouped) == 3
+        assert prepack_linears(grouped, gemm=gemm) == 3
         group = packed_group(grouped.a, grouped.b, grouped.c)
         assert isinstance(group, PackedGroup)
         for got, member_alone, member in zip(
@@ -139,11 +156,14 @@ def test_siblings_with_bias_on_some_only_are_packed_one_by_one() -> None:
     assert all(m.packed_weight is not None and m.group is None for m in (model.a, model.b, model.c))
 
 
-def test_loader_packs_by_default_and_never_in_batch_invariant_mode(tiny_llama: Path) -> None:
+def test_loader_packs_by_default_and_never_in_batch_invariant_mode(tiny_llama: Path, cpu_gemm: Gemm) -> None:
     packed = load_model(tiny_llama)
     tiled = load_model(tiny_llama, batch_invariant=True)
     linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is PackedLinear for m in linears)
+    # where the compiled GEMM builds (the cpu_gemm fixture says it does), the loader uses its layout
+    assert all(m.gemm is not None for m in linears)
+    assert all(isinstance(t, torch.Tensor) for t in packed_tensors(packed))
     # q/k/v and gate/up of every layer run as one GEMM each
     for layer in packed.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

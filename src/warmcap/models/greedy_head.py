@@ -27,17 +27,19 @@ call: two passes over the bf16 screen instead of a float32 copy and six torch pa
 (~1 ms a step on SmolLM2 at 16 rows). It evaluates the same float32 expressions, so it finds the
 same candidates; without the ops, torch's passes run.
 
-The candidates of all rows are re-scored in float32 by the same oneDNN kernel the full head runs
-(their rows gathered and packed, one small product), and each row takes its first maximum among
-its own candidates; ids are ascending, so ties go to the lowest id as ``torch.argmax`` and
+The candidates of all rows are re-scored in float32 by the same kernel the full head runs (their
+rows gathered and packed, one small product), and each row takes its first maximum among its own
+candidates; ids are ascending, so ties go to the lowest id as ``torch.argmax`` and
 ``runner_v2/sampler.py``'s ``row_argmax`` break them.
 
 NOTE: exactness against the full float32 logits rests on the re-score rounding each dot product
-as the full GEMM does. oneDNN's packed float32 product of the gathered rows has been bit-equal to
-the full product's columns in every check (``tests/models/test_greedy_head.py`` asserts it); were
-a kernel to sum in another order, the two could disagree only between tokens whose float32 logits
-lie within 2 g_n S_v of each other (both are float32 roundings of the same real dot product), and
-the token chosen would still be one of them.
+as the full GEMM does. The compiled GEMM (``cpu_kernels/gemm.c``, the loader's layout where it
+builds) guarantees it: each output is one multiply-add chain over the hidden size, whatever the
+columns beside it (tested). oneDNN's packed product of the gathered rows has been bit-equal to the
+full product's columns in every check (``tests/models/test_greedy_head.py`` asserts it on
+SmolLM2); were a kernel to sum in another order, the two could disagree only between tokens whose
+float32 logits lie within 2 g_n S_v of each other (both are float32 roundings of the same real dot
+product), and the token chosen would still be one of them.
 
 Memory: the head keeps a bf16 copy of the weight (2 bytes per weight; 56.6 MB for SmolLM2's
 49152 x 576), float32 row norms and a scratch: 2 x 16 float32 rows for torch's passes (6.3 MB
@@ -59,6 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from warmcap.cpu_kernels.gemm import BlockedWeight
 from warmcap.cpu_kernels.layer_ops import LayerOps
 from warmcap.models.packed_linear import PackedLinear, can_prepack
 
@@ -274,6 +277,11 @@ class GreedyHead:
     def rescore(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[M, K]`` of the vocabulary rows ``ids``, by the kernel the full head
         runs (its rows gathered and packed)."""
+        packed, gemm = self.head.packed_weight, self.head.gemm
+        if isinstance(packed, BlockedWeight) and gemm is not None:
+            logits = gemm.linear(x, packed.rows(ids))
+            if logits is not None:
+                return logits
         rows = self.weight.index_select(0, ids)
         return _linear(x, torch.ops.mkldnn._reorder_linear_weight(rows, None))
 

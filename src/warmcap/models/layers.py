@@ -108,6 +108,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = packed_group(self.gate_proj, self.up_proj)
+        if group is not None and self.act is F.silu:
+            # The compiled GEMM applies SiLU and the product as it goes (models/packed_linear.py).
+            hidden = group.silu_mul(x)
+            if hidden is not None:
+                return self.down_proj(hidden)
         gate, up = (self.gate_proj(x), self.up_proj(x)) if group is None else group(x)
         # The activation's output is fresh: the product goes into it (one temporary, not two).
         return self.down_proj(self.act(gate).mul_(up))

@@ -1,11 +1,14 @@
-"""Linear layers whose weights are prepacked for oneDNN's CPU GEMM.
+"""Linear layers whose weights are prepacked once for a CPU GEMM.
 
 ``F.linear`` on CPU multiplies by the ``[out, in]`` weight as stored, and MKL re-blocks it on every
-call; oneDNN can reorder a weight once into the blocked layout its GEMM kernel reads. For the
-decode-sized batches warmcap runs (a few to a few dozen rows) that is measured 1.7x faster over the
-linears of SmolLM2 on one thread (BENCHMARKS.md); a single row (MKL's matrix-vector kernel) is
-unchanged. The ops are torch's own (``torch.ops.mkldnn``), the ones inductor emits when it freezes
-weights, so nothing beyond torch is needed.
+call. A prepacked copy is laid out once for the kernel that reads it:
+- the compiled GEMM's column blocks (``cpu_kernels/gemm.c``, :class:`~warmcap.cpu_kernels.gemm.BlockedWeight`),
+  where the system compiler builds it and ``$WARMCAP_CPU_GEMM`` allows it: the loader's default;
+- oneDNN's blocked layout otherwise (``torch.ops.mkldnn``, the ops inductor emits when it freezes
+  weights): measured 1.7x faster than ``F.linear`` over the linears of SmolLM2 at decode sizes.
+The compiled GEMM measured 1.09x (best) to 1.12x (median) faster than oneDNN's over a whole run of
+the throughput workload (BENCHMARKS.md): no per-call primitive cost, and cold weights streamed
+better.
 
 Sibling linears that read the same input (q/k/v, gate/up; a module lists them in
 ``packed_groups``) are packed as one weight and run as one GEMM (:class:`PackedGroup`): fewer,
@@ -26,46 +29,78 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from warmcap.cpu_kernels.gemm import BlockedWeight, Gemm, blocked_bytes, load_gemm
 
 
 def can_prepack() -> bool:
-    """Whether this torch build has oneDNN and its packed-linear ops."""
+    """Whether this torch build has oneDNN and its packed-linear ops (the fallback layout; without
+    them nothing is packed)."""
     if not torch.backends.mkldnn.is_available():
         return False
     ops = torch.ops.mkldnn
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+#: a packed weight: oneDNN's (a tensor) or the compiled GEMM's (which holds its bias)
+Packed = torch.Tensor | BlockedWeight
+
+
+def _linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None, gemm: Gemm | None) -> torch.Tensor:
+    if isinstance(packed, BlockedWeight):
+        assert gemm is not None
+        out = gemm.linear(x, packed)
+        if out is None:
+            # fake tensors, tracing or gradients: the same product through torch
+            weight, b = packed.dense()
+            out = F.linear(x, weight, b)
+        return out
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, gemm: Gemm | None) -> Packed:
+    if gemm is not None:
+        return BlockedWeight.pack(weight, bias)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 @dataclass(eq=False, slots=True)
 class PackedGroup:
-    """One oneDNN-packed weight for sibling linears that read the same input (q/k/v, gate/up): one
+    """One packed weight for sibling linears that read the same input (q/k/v, gate/up): one
     GEMM over their concatenated output features instead of one per linear.
 
     Measured 1.4x faster than the separate packed products at 16 rows (BENCHMARKS.md) and equal
     to them bit for bit: each output feature's dot product is summed the same way.
     """
 
-    weight: torch.Tensor
+    weight: Packed
     bias: torch.Tensor | None
     #: output features of each member, in order
     sizes: tuple[int, ...]
+    #: the compiled GEMM when ``weight`` is its layout; None: oneDNN's
+    gemm: Gemm | None = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The members' outputs side by side along the last dim, in order."""
-        return _linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias, self.gemm)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every member's output, in order (views of one product)."""
         return self.product(x).split(self.sizes, dim=-1)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(a(x)) * b(x)`` for a group of two, (gate, up), in the GEMM's own pass; None where
+        only the product can run (oneDNN's layout, other sizes, inputs the kernel cannot take)."""
+        if self.gemm is None or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+            return None
+        assert isinstance(self.weight, BlockedWeight)
+        return self.gemm.silu_mul(x, self.weight)
+
 
 class PackedLinear(nn.Linear):
-    """``nn.Linear`` computing with a oneDNN-packed copy of its weight (same parameters, same names).
+    """``nn.Linear`` computing with a packed copy of its weight (same parameters, same names).
 
     A member of a :class:`PackedGroup` holds no copy of its own (``packed_weight`` is None): its
     owner calls the group through :func:`packed_group`; called alone it still gives its own output,
@@ -75,15 +110,17 @@ class PackedLinear(nn.Linear):
     afterwards is not seen by ``forward`` until the module is packed again.
     """
 
-    packed_weight: torch.Tensor | None
+    packed_weight: Packed | None
     group: PackedGroup | None
     group_index: int
+    #: the compiled GEMM when ``packed_weight`` is its layout; None: oneDNN's
+    gemm: Gemm | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             return self.group(x)[self.group_index]
         assert self.packed_weight is not None
-        return _linear(x, self.packed_weight, self.bias)
+        return _linear(x, self.packed_weight, self.bias, self.gemm)
 
 
 def packed_group(*linears: nn.Module) -> PackedGroup | None:
@@ -106,14 +143,17 @@ def _packable(module: nn.Module) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
-def _pack(module: nn.Module, packed: torch.Tensor | None, group: PackedGroup | None, index: int) -> None:
+def _pack(
+    module: nn.Module, packed: Packed | None, group: PackedGroup | None, index: int, gemm: Gemm | None
+) -> None:
     module.__class__ = PackedLinear
     module.packed_weight = packed
     module.group = group
     module.group_index = index
+    module.gemm = gemm
 
 
-def _pack_group(owner: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+def _pack_group(owner: nn.Module, names: tuple[str, ...], gemm: Gemm | None) -> list[nn.Module]:
     """Pack ``owner``'s children ``names`` as one :class:`PackedGroup`; returns them, or [] when they
     cannot share one GEMM (not all packable, other inputs, bias on some only)."""
     members = [getattr(owner, name, None) for name in names]
@@ -123,34 +163,42 @@ def _pack_group(owner: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
         return []
     weight = torch.cat([m.weight.detach() for m in members])
     bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-    group = PackedGroup(
-        torch.ops.mkldnn._reorder_linear_weight(weight, None), bias, tuple(m.out_features for m in members)
-    )
+    sizes = tuple(m.out_features for m in members)
+    group = PackedGroup(_pack_weight(weight, bias, gemm), bias, sizes, gemm)
     for i, member in enumerate(members):
-        _pack(member, None, group, i)
+        _pack(member, None, group, i, gemm)
     return members
 
 
-def prepack_linears(model: nn.Module, *, groups: bool = True) -> int:
+def prepack_linears(model: nn.Module, *, groups: bool = True, gemm: Gemm | bool | None = True) -> int:
     """Turn every plain float32 CPU ``nn.Linear`` of ``model`` into a :class:`PackedLinear` in place;
     returns how many were packed (0 without oneDNN).
 
     A module that lists sibling linears in ``packed_groups`` (tuples of child names reading the same
     input) gets each tuple packed as one :class:`PackedGroup`, for its forward to call through
-    :func:`packed_group` (``groups=False``: each packed alone, the benchmark's peer). A weight shared by several modules (a tied LM head) is packed once per
+    :func:`packed_group` (``groups=False``: each packed alone, the benchmark's peer).
+
+    ``gemm``: the layout. True (the loader's) packs for the compiled GEMM when
+    ``$WARMCAP_CPU_GEMM`` allows it and it builds (:func:`~warmcap.cpu_kernels.gemm.load_gemm`),
+    else for oneDNN; a :class:`~warmcap.cpu_kernels.gemm.Gemm` packs for that one; False or None
+    for oneDNN. A weight shared by several modules (a tied LM head) is packed once per
     module that multiplies by it; the parameters themselves are untouched, so embeddings and state
     dicts see no change.
     """
     if not can_prepack():
         return 0
+    if gemm is True:
+        gemm = load_gemm() if any(_packable(m) for m in model.modules()) else None
+    elif gemm is False:
+        gemm = None
     count = 0
     for module in list(model.modules()) if groups else ():
         for names in getattr(module, "packed_groups", ()):
-            count += len(_pack_group(module, names))
+            count += len(_pack_group(module, names, gemm))
     for module in model.modules():
         if not _packable(module):
             continue
-        _pack(module, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None), None, 0)
+        _pack(module, _pack_weight(module.weight, module.bias, gemm), None, 0, gemm)
         count += 1
     return count
 
@@ -161,7 +209,7 @@ def unpack_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is PackedLinear:
-            del module.packed_weight, module.group, module.group_index
+            del module.packed_weight, module.group, module.group_index, module.gemm
             module.__class__ = nn.Linear
             count += 1
     return count
@@ -183,7 +231,8 @@ def prepacked_bytes(modules: list[nn.Module], device: torch.device, *, batch_inv
             if id(sub) in seen:
                 continue
             seen.add(id(sub))
-            total += sub.weight.numel() * sub.weight.element_size()
+            # the larger of the two layouts: the GEMM's pads the output features to whole blocks
+            total += blocked_bytes(*sub.weight.shape)
     return total
 
 
