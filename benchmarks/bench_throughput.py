@@ -103,16 +103,18 @@ def warmcap_runner(
     prefix_caching: bool = True,
     attention: str | None = None,
     layer_ops: str | None = None,
+    gemm: str | None = None,
     greedy_head: bool = True,
     **_: object,
 ) -> Runner:
+    from warmcap.cpu_kernels.gemm import ENV as GEMM_ENV
     from warmcap.cpu_kernels.layer_ops import ENV as LAYER_OPS_ENV
     from warmcap.cpu_kernels.paged_attention import ENV as ATTENTION_ENV
     from warmcap.models.packed_linear import prepack_linears, unpack_linears
     from warmcap.sampling_params import SamplingParams
 
     # The CPU kernels are chosen when the engine builds its model and backend: set only around that.
-    switches = {ATTENTION_ENV: attention, LAYER_OPS_ENV: layer_ops}
+    switches = {ATTENTION_ENV: attention, LAYER_OPS_ENV: layer_ops, GEMM_ENV: gemm}
     saved = {env: os.environ.get(env) for env in switches}
     for env, mode in switches.items():
         if mode is not None:
@@ -287,6 +289,8 @@ PEERS: dict[str, Callable[..., Runner]] = {
     "warmcap_torch_attention": partial(warmcap_runner, attention="torch"),
     # the same engine on torch's RMSNorm and RoPE: the peer for cpu_kernels/layer_ops.c
     "warmcap_torch_layer_ops": partial(warmcap_runner, layer_ops="torch"),
+    # the same engine on oneDNN's packed GEMM (vLLM's CPU kernel): the peer for cpu_kernels/gemm.c
+    "warmcap_onednn": partial(warmcap_runner, gemm="torch"),
     # the same engine computing the full float32 logits every step: the peer for models/greedy_head.py
     "warmcap_full_head": partial(warmcap_runner, greedy_head=False),
     "hf_generate": hf_generate_runner,

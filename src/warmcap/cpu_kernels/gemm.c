@@ -1,19 +1,21 @@
 /*
- * A float32 GEMM for decode-sized batches on CPU: out[M, N] = x[M, K] . W^T (+ bias), with W packed
- * once into column blocks of 16 output features, [ceil(N/16), K, 16] (zeros past N), so a block's
- * weights are read as one sequential stream.
+ * A float32 GEMM for CPU linears: out[M, N] = x[M, K] . W^T (+ bias), with W packed once into
+ * column blocks of 16 output features, [ceil(N/16), K, 16] (zeros past N), so a block's weights are
+ * read as one sequential stream. Used at every batch size, decode to prefill; a gated MLP's gate
+ * and up can also leave silu(gate) * up directly (warmcap_gemm_silu_mul).
  *
  * Why not oneDNN's packed product (models/packed_linear.py): at 8 to 64 rows oneDNN's primitive
  * costs ~25 us a call before any arithmetic, and its kernels stream the weights less well when each
- * layer's weights are cold (30 layers, 424 MB in SmolLM2); this kernel measured 1.17x faster per
- * decoder layer at 16 rows (BENCHMARKS.md).
+ * layer's weights are cold (30 layers, 424 MB in SmolLM2); whole runs of the throughput workload
+ * measured 1.19x faster on this kernel (BENCHMARKS.md).
  *
- * How it computes. x is copied transposed into tiles of 16 rows, [K, 16] each (rows past M are
- * zero), so the 16 values of one k are one cache line. A task is a group of C column blocks: for
- * each row tile of R rows it keeps R x C accumulators of 16 lanes in registers and, for k = 0..K-1,
- * adds x[r, k] * w[k, c-block] into each. R is 16, 8, 4, 2 or 1 (the smallest that holds the
- * tile's rows) and C = 1, 2, 4, 4, 8 with it, so that every variant has at least 8 independent
- * multiply-add chains.
+ * How it computes. x is copied transposed into tiles of 16 rows, [K, 16] each, so the values of one
+ * k are one cache line. Each thread takes an equal range of column blocks. A tile of R rows (R = its
+ * real row count, 1..16: no padded row is multiplied) goes through C blocks at a time, C = 8, 4, 2
+ * or 1 for R <= 2, 4, 8 or 16, keeping R x C accumulators of 16 lanes in registers while, for
+ * k = 0..K-1, it adds x[r, k] * w[k, block] into each: at least 8 independent multiply-add chains
+ * where the rows allow. With several row tiles, 4 blocks at a time stay in cache while every tile
+ * passes.
  *
  * Each output element is one fused multiply-add chain over k = 0..K-1 in order, whatever M, N, R, C
  * or the thread count: an output column has the same bits wherever it sits and however many rows
@@ -140,14 +142,30 @@ static void tile_rc(int64_t rows, int c_blocks, const float *xt, const float *w,
     }
 }
 
+/* silu(g) = g / (1 + e^-g), from e^-|g| only (never overflows): g / (1 + t) for g >= 0, and
+ * g t / (1 + t) for g < 0, where t = e^g. NaN stays NaN. */
+static inline __attribute__((always_inline)) float silu(float g)
+{
+    const float t = exp_nonpositive(g >= 0.0f ? -g : g);
+    return (g >= 0.0f ? g : g * t) / (1.0f + t);
+}
+
+/* A gated MLP's tiles go to these stack buffers first: up to 16 rows of 8 blocks. */
+#define GROUP_FLOATS (BLOCK * 8 * BLOCK)
+
 /*
- * Blocks [b0, b1) against every row tile: in chunks of up to `chunk` blocks (kept in cache while
- * the row tiles pass), each split into the widest groups its tiles take.
+ * Output blocks [b0, b1) for every row tile, in chunks of up to `chunk` blocks (kept in cache while
+ * the row tiles pass), each chunk split into the widest groups its tiles take. up == NULL: out =
+ * x . W^T (+ bias). Else out = silu(x . W^T + bias) * (x . U^T + up_bias): the gate's blocks at wp,
+ * up's at `up`, n_dim a multiple of 16.
  */
-static void column_range(const float *xt_all, const float *wp, const float *bias, float *out, int64_t ldo,
-                         int64_t m_dim, int64_t k_dim, int64_t n_dim, int64_t b0, int64_t b1, int64_t chunk)
+static void column_range(const float *xt_all, const float *wp, const float *bias, const float *up,
+                         const float *up_bias, float *out, int64_t ldo, int64_t m_dim, int64_t k_dim,
+                         int64_t n_dim, int64_t b0, int64_t b1, int64_t chunk)
 {
     const int64_t bstride = k_dim * BLOCK;
+    float gate_tile[GROUP_FLOATS] __attribute__((aligned(64)));
+    float up_tile[GROUP_FLOATS] __attribute__((aligned(64)));
     for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
         const int64_t c1 = c0 + chunk < b1 ? c0 + chunk : b1;
         for (int64_t t = 0; t * BLOCK < m_dim; ++t) {
@@ -160,11 +178,52 @@ static void column_range(const float *xt_all, const float *wp, const float *bias
                 }
                 const int64_t n0 = b * BLOCK;
                 const int64_t cols = n_dim - n0 < (int64_t)c * BLOCK ? n_dim - n0 : (int64_t)c * BLOCK;
-                tile_rc(rows, c, xt, wp + b * bstride, bstride, k_dim, out + t * BLOCK * ldo + n0, ldo, cols,
-                        bias == NULL ? NULL : bias + n0);
+                float *o = out + t * BLOCK * ldo + n0;
+                if (up == NULL) {
+                    tile_rc(rows, c, xt, wp + b * bstride, bstride, k_dim, o, ldo, cols,
+                            bias == NULL ? NULL : bias + n0);
+                } else {
+                    tile_rc(rows, c, xt, wp + b * bstride, bstride, k_dim, gate_tile, cols, cols,
+                            bias == NULL ? NULL : bias + n0);
+                    tile_rc(rows, c, xt, up + b * bstride, bstride, k_dim, up_tile, cols, cols,
+                            up_bias == NULL ? NULL : up_bias + n0);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float *g = gate_tile + r * cols, *u = up_tile + r * cols;
+#pragma omp simd
+                        for (int64_t i = 0; i < cols; ++i) {
+                            o[r * ldo + i] = silu(g[i]) * u[i];
+                        }
+                    }
+                }
                 b += c;
             }
         }
+    }
+}
+
+/* Both entry points: transpose x into scratch, then each thread takes an equal range of blocks. */
+static void gemm(const float *x, int64_t ldx, const float *wp, const float *bias, const float *up,
+                 const float *up_bias, float *out, int64_t ldo, int64_t m_dim, int64_t k_dim, int64_t n_dim,
+                 float *scratch, int32_t num_threads)
+{
+    const int64_t tiles = (m_dim + BLOCK - 1) / BLOCK;
+    const int64_t blocks = (n_dim + BLOCK - 1) / BLOCK;
+    const int64_t bstride = k_dim * BLOCK;
+    /* One row tile: a thread's whole range at once. Several: 4 blocks (<= 4 * K * 64 bytes, of
+     * each half for a gated MLP) stay in cache while every row tile passes. */
+    const int64_t chunk = tiles == 1 ? blocks : 4;
+    const int threads = num_threads < 1 ? 1 : (int64_t)num_threads > blocks ? (int)blocks : num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t rows = m_dim - t * BLOCK < BLOCK ? m_dim - t * BLOCK : BLOCK;
+            transpose_tile(x + t * BLOCK * ldx, ldx, scratch + t * bstride, rows, k_dim);
+        }
+        /* the implicit barrier of the loop above: every tile is transposed */
+        const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t b0 = blocks * me / team, b1 = blocks * (me + 1) / team;
+        column_range(scratch, wp, bias, up, up_bias, out, ldo, m_dim, k_dim, n_dim, b0, b1, chunk);
     }
 }
 
@@ -178,93 +237,20 @@ void warmcap_gemm(const float *restrict x, int64_t ldx, const float *restrict wp
                   float *restrict out, int64_t ldo, int64_t m_dim, int64_t k_dim, int64_t n_dim,
                   float *restrict scratch, int32_t num_threads)
 {
-    const int64_t tiles = (m_dim + BLOCK - 1) / BLOCK;
-    const int64_t blocks = (n_dim + BLOCK - 1) / BLOCK;
-    const int64_t bstride = k_dim * BLOCK;
-    /* One row tile: a thread's whole range at once. Several: 4 blocks (<= 4 * K * 64 bytes) stay in
-     * cache while every row tile passes. */
-    const int64_t chunk = tiles == 1 ? blocks : 4;
-    const int threads = num_threads < 1 ? 1 : (int64_t)num_threads > blocks ? (int)blocks : num_threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t rows = m_dim - t * BLOCK < BLOCK ? m_dim - t * BLOCK : BLOCK;
-            transpose_tile(x + t * BLOCK * ldx, ldx, scratch + t * bstride, rows, k_dim);
-        }
-        /* the implicit barrier of the loop above: every tile is transposed */
-        const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t b0 = blocks * me / team, b1 = blocks * (me + 1) / team;
-        column_range(scratch, wp, bias, out, ldo, m_dim, k_dim, n_dim, b0, b1, chunk);
-    }
+    gemm(x, ldx, wp, bias, NULL, NULL, out, ldo, m_dim, k_dim, n_dim, scratch, num_threads);
 }
-
-/* silu(g) = g / (1 + e^-g), from e^-|g| only (never overflows): g / (1 + t) for g >= 0, and
- * g t / (1 + t) for g < 0, where t = e^g. NaN stays NaN. */
-static inline __attribute__((always_inline)) float silu(float g)
-{
-    const float t = exp_nonpositive(g >= 0.0f ? -g : g);
-    return (g >= 0.0f ? g : g * t) / (1.0f + t);
-}
-
-/* Gated-MLP tiles are computed into these stack buffers first: up to 16 rows of 8 blocks. */
-#define GROUP_FLOATS (BLOCK * 8 * BLOCK)
 
 /*
- * out[M, I] (row stride ldo) = silu(x . Wg^T + bg) * (x . Wu^T + bu), the gate and up linears packed as
- * one weight of 2I output features (gate first; I a multiple of 16, so up's blocks start at block
- * I/16), bias NULL or padded as warmcap_gemm's. The gate and up products of each tile are the bits
+ * out[M, I] (row stride ldo) = silu(x . Wg^T + bg) * (x . Wu^T + bu), the gate and up linears
+ * packed as one weight of 2I output features (gate first; I a multiple of 16, so up's blocks start
+ * at block I/16), bias NULL or padded as warmcap_gemm's. The gate and up products are the bits
  * warmcap_gemm gives them. scratch and threads as warmcap_gemm.
  */
 void warmcap_gemm_silu_mul(const float *restrict x, int64_t ldx, const float *restrict wp,
                            const float *restrict bias, float *restrict out, int64_t ldo, int64_t m_dim,
                            int64_t k_dim, int64_t i_dim, float *restrict scratch, int32_t num_threads)
 {
-    const int64_t tiles = (m_dim + BLOCK - 1) / BLOCK;
-    const int64_t blocks = i_dim / BLOCK; /* per half */
-    const int64_t bstride = k_dim * BLOCK;
-    const float *up = wp + blocks * bstride;
-    /* as warmcap_gemm: one row tile takes a thread's whole range at once; with several, 4 blocks of
-     * each half stay in cache while every row tile passes */
-    const int64_t chunk = tiles == 1 ? blocks : 4;
-    const int threads = num_threads < 1 ? 1 : (int64_t)num_threads > blocks ? (int)blocks : num_threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t rows = m_dim - t * BLOCK < BLOCK ? m_dim - t * BLOCK : BLOCK;
-            transpose_tile(x + t * BLOCK * ldx, ldx, scratch + t * bstride, rows, k_dim);
-        }
-        const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
-        const int64_t b0 = blocks * me / team, b1 = blocks * (me + 1) / team;
-        float gate_tile[GROUP_FLOATS] __attribute__((aligned(64)));
-        float up_tile[GROUP_FLOATS] __attribute__((aligned(64)));
-        for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
-            const int64_t c1 = c0 + chunk < b1 ? c0 + chunk : b1;
-            for (int64_t t = 0; t < tiles; ++t) {
-                const int64_t rows = m_dim - t * BLOCK < BLOCK ? m_dim - t * BLOCK : BLOCK;
-                const float *xt = scratch + t * bstride;
-                for (int64_t b = c0; b < c1;) {
-                    int c = max_blocks(rows);
-                    while (c > 1 && b + c > c1) {
-                        c >>= 1;
-                    }
-                    const int64_t width = (int64_t)c * BLOCK, n0 = b * BLOCK;
-                    tile_rc(rows, c, xt, wp + b * bstride, bstride, k_dim, gate_tile, width, width,
-                            bias == NULL ? NULL : bias + n0);
-                    tile_rc(rows, c, xt, up + b * bstride, bstride, k_dim, up_tile, width, width,
-                            bias == NULL ? NULL : bias + i_dim + n0);
-                    for (int64_t r = 0; r < rows; ++r) {
-                        float *o = out + (t * BLOCK + r) * ldo + n0;
-                        const float *g = gate_tile + r * width, *u = up_tile + r * width;
-#pragma omp simd
-                        for (int64_t i = 0; i < width; ++i) {
-                            o[i] = silu(g[i]) * u[i];
-                        }
-                    }
-                    b += c;
-                }
-            }
-        }
-    }
+    const float *up = wp + i_dim * k_dim; /* I/16 blocks of K * 16 floats */
+    gemm(x, ldx, wp, bias, up, bias == NULL ? NULL : bias + i_dim, out, ldo, m_dim, k_dim, i_dim, scratch,
+         num_threads);
 }

@@ -6,9 +6,8 @@ call. A prepacked copy is laid out once for the kernel that reads it:
   where the system compiler builds it and ``$WARMCAP_CPU_GEMM`` allows it: the loader's default;
 - oneDNN's blocked layout otherwise (``torch.ops.mkldnn``, the ops inductor emits when it freezes
   weights): measured 1.7x faster than ``F.linear`` over the linears of SmolLM2 at decode sizes.
-The compiled GEMM measured 1.09x (best) to 1.12x (median) faster than oneDNN's over a whole run of
-the throughput workload (BENCHMARKS.md): no per-call primitive cost, and cold weights streamed
-better.
+The compiled GEMM measured 1.19x faster than oneDNN's over whole runs of the throughput workload
+(BENCHMARKS.md): no per-call primitive cost, and cold weights streamed better.
 
 Sibling linears that read the same input (q/k/v, gate/up; a module lists them in
 ``packed_groups``) are packed as one weight and run as one GEMM (:class:`PackedGroup`): fewer,
