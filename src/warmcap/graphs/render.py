@@ -56,8 +56,9 @@ def render(report: CaptureReport, console: Console) -> None:
         )
     if not report.batch_invariant and any(g.real_rows_max_abs_diff for g in report.graphs):
         console.print(
-            "[dim]real rows: small nonzero differences are float rounding (the unpadded batch runs "
-            "its GEMMs with fewer rows); --batch-invariant makes them match[/]"
+            "[dim]real rows: small nonzero differences are float rounding (the unpadded batch has "
+            "fewer rows: each row's queries are padded to another length, and oneDNN/MKL GEMMs sum by "
+            "row count); --batch-invariant makes them match[/]"
         )
     _print_cuda_safety(report.graphs, console)
 
