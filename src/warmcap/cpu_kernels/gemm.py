@@ -1,9 +1,10 @@
 """The compiled float32 GEMM (``gemm.c``) and its weight layout, for the linears of CPU models.
 
-A weight ``[N, K]`` is packed once into column blocks, ``[ceil(N/16), K, 16]`` (:class:`BlockedWeight`),
-and multiplied by :meth:`Gemm.linear` (or, for a gated MLP's gate and up, by :meth:`Gemm.silu_mul`,
-which applies SiLU and the product in the same pass); each output is one multiply-add chain over K in order, so a
-column's value does not depend on the batch, its neighbours or the thread count (``gemm.c``).
+A weight ``[N, K]`` is packed once into column blocks, ``[ceil(N/16), K, 16]``
+(:class:`BlockedWeight`), and multiplied by :meth:`Gemm.linear` (or, for a gated MLP's gate and
+up, by :meth:`Gemm.silu_mul`, which applies SiLU and the product in the same pass). Each output is
+one multiply-add chain over K in order, so a column's value does not depend on the batch, its
+neighbours or the thread count (``gemm.c``).
 
 ``WARMCAP_CPU_GEMM`` (``auto``/``torch``/``kernel``, :mod:`.policy`) decides at model load
 (:func:`load_gemm`, called by ``models/packed_linear.prepack_linears``): ``torch`` keeps oneDNN's
@@ -113,10 +114,10 @@ class Gemm:
 
     def _call(
         self,
-        fn: ctypes._CFuncPtr,
+        fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
         x: torch.Tensor,
         weight: BlockedWeight,
-        n: int,  # type: ignore[name-defined]
+        n: int,
     ) -> torch.Tensor | None:
         """``fn`` (either entry point; their arguments agree) on x ``[..., K]``, for ``n`` outputs
         per row."""
