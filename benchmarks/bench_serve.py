@@ -157,7 +157,7 @@ def main() -> None:
 
     import uvicorn
 
-    from warmcap.graphs.sizes import parse_capture_sizes
+    from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.llm import build_config
     from warmcap.sampling_params import SamplingParams
     from warmcap.serve import ServeOptions, build_app

@@ -103,8 +103,8 @@ def check_engine(
 
     from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from warmcap.engine import LLMEngine
-    from warmcap.graphs.render import render
-    from warmcap.graphs.report import SpecInfo
+    from warmcap.graphs.proof.render import render
+    from warmcap.graphs.proof.report import SpecInfo
     from warmcap.graphs.startup import capture_graphs
     from warmcap.sampling_params import SamplingParams
 

@@ -121,7 +121,7 @@ def _one_error_line(res) -> str:
 
 
 def _tiny_report_json() -> dict:
-    from warmcap.graphs.report import CaptureReport, GraphRecord, SpecDecodeStats, SpecInfo, WarmupAudit
+    from warmcap.graphs.proof.report import CaptureReport, GraphRecord, SpecDecodeStats, SpecInfo, WarmupAudit
 
     report = CaptureReport(
         model="tiny-llama",

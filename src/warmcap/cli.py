@@ -490,8 +490,8 @@ def run(
     _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
     from pathlib import Path
 
-    from warmcap.graphs.render import render
-    from warmcap.graphs.sizes import parse_capture_sizes
+    from warmcap.graphs.capture.sizes import parse_capture_sizes
+    from warmcap.graphs.proof.render import render
     from warmcap.startup import run_startup
     from warmcap.warmup.hook import VIOLATION_ADVICE
 
@@ -566,8 +566,8 @@ def report(
     memory_tolerance: float = typer.Option(0.10, help="Relative memory growth that counts as a regression."),
 ) -> None:
     """Render a saved capture report, or compare two (exit 1 on any regression, for CI)."""
-    from warmcap.graphs.diff import diff_reports
-    from warmcap.graphs.render import render, render_diff
+    from warmcap.graphs.proof.diff import diff_reports
+    from warmcap.graphs.proof.render import render, render_diff
 
     console = Console()
     if diff:
@@ -607,7 +607,7 @@ def _check_out_path(path: str) -> None:
 def _load_report(path: str):
     from pathlib import Path
 
-    from warmcap.graphs.report import CaptureReport
+    from warmcap.graphs.proof.report import CaptureReport
 
     p = Path(path)
     if not p.is_file():
@@ -678,7 +678,7 @@ def serve(
     Exits 1 when start-up fails or finds a stray KV write; 0 after SIGINT/SIGTERM.
     """
     _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
-    from warmcap.graphs.sizes import parse_capture_sizes
+    from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.serve.app import ServeOptions
     from warmcap.serve.server import serve as run_server
 

@@ -1,7 +1,7 @@
 """The digest of warmcap's own source: what caches of work an earlier start did are keyed on.
 
 An edited file is a new digest, with or without a new version, so nothing cached by older code
-(graph verdicts, ``graphs/startup_cache.py``; config values, ``models/hf_config.py``) is reused.
+(graph verdicts, ``graphs/proof/startup_cache.py``; config values, ``models/hf_config.py``) is reused.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-#: the files that make up the package's behaviour: Python, data, the C kernels' sources
-SOURCE_SUFFIXES = (".py", ".json", ".c")
+#: the files that make up the package's behaviour: Python, data, the C kernels' sources and headers
+SOURCE_SUFFIXES = (".py", ".json", ".c", ".h")
 
 
 @cache

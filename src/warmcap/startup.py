@@ -14,7 +14,7 @@ from functools import partial
 from warmcap.config import EngineConfig
 from warmcap.engine import LLMEngine
 from warmcap.graphs.hook import graph_capture_hook
-from warmcap.graphs.report import CaptureReport, SpecDecodeStats, SpecInfo, WarmupAudit
+from warmcap.graphs.proof.report import CaptureReport, SpecDecodeStats, SpecInfo, WarmupAudit
 from warmcap.models.batch_invariant import is_batch_invariant
 from warmcap.sampling_params import SamplingParams
 from warmcap.startup_hooks import StartupEvent, StartupObserver, current_observer, notify
@@ -69,7 +69,7 @@ def run_startup(
     the engine runs afterwards, the smoke generation included.
     Each phase is reported to ``observer`` (default: the one set by ``startup_hooks.observing``).
     ``startup_cache``: reuse graph verdicts of an identical earlier start
-    (:mod:`warmcap.graphs.startup_cache`; ``warmup run`` turns it on).
+    (:mod:`warmcap.graphs.proof.startup_cache`; ``warmup run`` turns it on).
     """
     observer = observer or current_observer()
     hooks = [

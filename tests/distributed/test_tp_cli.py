@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from warmcap.cli import app
-from warmcap.graphs.report import CaptureReport, RankRow, WarmupAudit, schema_problem
+from warmcap.graphs.proof.report import CaptureReport, RankRow, WarmupAudit, schema_problem
 
 runner = CliRunner()
 

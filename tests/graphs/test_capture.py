@@ -12,13 +12,13 @@ from graph_fixtures import NUM_BLOCKS, make_rig
 from rich.console import Console
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.capture import GraphCapturer
-from warmcap.graphs.descriptors import BatchDescriptor, CUDAGraphMode
-from warmcap.graphs.planning import plan_target_graphs
-from warmcap.graphs.render import render
-from warmcap.graphs.report import SpecInfo, report_schema
+from warmcap.graphs.capture.capturer import GraphCapturer
+from warmcap.graphs.capture.descriptors import BatchDescriptor, CUDAGraphMode
+from warmcap.graphs.capture.planning import plan_target_graphs
+from warmcap.graphs.proof.render import render
+from warmcap.graphs.proof.report import SpecInfo, report_schema
+from warmcap.graphs.proof.verify import verify_graphs
 from warmcap.graphs.startup import capture_graphs
-from warmcap.graphs.verify import verify_graphs
 
 FULL = CUDAGraphMode.FULL
 
@@ -96,8 +96,8 @@ def test_verification_catches_padding_that_writes_into_a_real_block() -> None:
 
 def test_static_capture_runs_each_shape_once_and_still_replays_like_eager() -> None:
     rig = make_rig(k=1)
-    # Without the CUDA-safety trace, which runs the largest forward of each phase on fake tensors.
-    capturer = GraphCapturer(rig.runner, "static", capture_sizes=[1, 2, 4], check_cuda_safety=False)
+    # Capture alone (the CUDA-safety trace is the proof's, graphs/proof/safety.py).
+    capturer = GraphCapturer(rig.runner, "static", capture_sizes=[1, 2, 4])
     calls: Counter[str] = Counter()
     for subject in capturer.subjects.values():
         honest_forward = subject.forward

@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.descriptors import BatchDescriptor, BatchShape, CUDAGraphMode, Dispatcher
-from warmcap.graphs.sizes import default_capture_sizes, uniform_decode_sizes
+from warmcap.graphs.capture.descriptors import BatchDescriptor, BatchShape, CUDAGraphMode, Dispatcher
+from warmcap.graphs.capture.sizes import default_capture_sizes, uniform_decode_sizes
 
 FULL, PIECEWISE = CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE
 

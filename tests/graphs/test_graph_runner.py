@@ -9,10 +9,10 @@ from graph_fixtures import make_rig, tiny_llama
 from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
-from warmcap.graphs.descriptors import BatchShape
-from warmcap.graphs.graph_runner import GraphRunner
+from warmcap.graphs.capture.descriptors import BatchShape
+from warmcap.graphs.capture.graph_runner import GraphRunner
+from warmcap.graphs.capture.subjects import step_shape
 from warmcap.graphs.startup import capture_graphs
-from warmcap.graphs.subjects import step_shape
 from warmcap.runner_v2.model_runner import ModelRunner
 from warmcap.sampling_params import SamplingParams
 

@@ -14,9 +14,9 @@ from graph_fixtures import make_rig
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.engine import LLMEngine
-from warmcap.graphs.capture import GraphCapturer
-from warmcap.graphs.graph_safety import GraphSafety, check_graph_safe
-from warmcap.graphs.planning import GraphSpec, plan_draft_graphs, plan_target_graphs
+from warmcap.graphs.capture.capturer import GraphCapturer
+from warmcap.graphs.capture.planning import GraphSpec, plan_draft_graphs, plan_target_graphs
+from warmcap.graphs.proof.safety import GraphSafety, check_graph_safe
 from warmcap.graphs.startup import capture_graphs
 
 THIS_FILE = "test_graph_safety.py:"

@@ -14,8 +14,8 @@ from warmcap.contracts import AttentionMetadata
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_PREFILL
 from warmcap.engine import LLMEngine
+from warmcap.graphs.capture.planning import plan_draft_graphs, plan_target_graphs
 from warmcap.graphs.hook import graph_capture_hook
-from warmcap.graphs.planning import plan_draft_graphs, plan_target_graphs
 from warmcap.runner_v2.mamba_state import MambaMetadata, build_mamba_metadata, mamba_metadata, plan_state
 from warmcap.sampling_params import SamplingParams
 

@@ -8,9 +8,9 @@ import pytest
 from rich.console import Console
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.diff import diff_reports
-from warmcap.graphs.render import render, render_diff
-from warmcap.graphs.report import (
+from warmcap.graphs.proof.diff import diff_reports
+from warmcap.graphs.proof.render import render, render_diff
+from warmcap.graphs.proof.report import (
     CaptureReport,
     GraphRecord,
     SpecDecodeStats,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.sizes import (
+from warmcap.graphs.capture.sizes import (
     PaddingTable,
     choose_sizes,
     compare_with_ladder,

@@ -1,4 +1,4 @@
-"""The persistent start-up cache (``graphs/startup_cache.py``): a warm start reuses verdicts and
+"""The persistent start-up cache (``graphs/proof/startup_cache.py``): a warm start reuses verdicts and
 reports the same graphs, any change to the key misses, a corrupt entry is rebuilt, and the spot
 check catches a cached verdict that no longer holds."""
 
@@ -12,16 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from graph_fixtures import make_rig
+from graph_fixtures import make_rig, tiny_llama
 
-from warmcap.graphs import capture as capture_module
-from warmcap.graphs import startup_cache
-from warmcap.graphs.diff import diff_reports
-from warmcap.graphs.report import CaptureReport, schema_problem
+from warmcap.graphs.capture import capturer as capture_module
+from warmcap.graphs.proof import safety as safety_module
+from warmcap.graphs.proof import startup_cache
+from warmcap.graphs.proof.diff import diff_reports
+from warmcap.graphs.proof.report import CaptureReport, schema_problem
+from warmcap.graphs.proof.verify import verify_graphs
 from warmcap.graphs.startup import GraphStartup, capture_graphs
-from warmcap.graphs.verify import verify_graphs
 
-WEIGHTS_BYTES = 2 << 20  # above the content-hash limit: keyed by size and mtime
+WEIGHTS_BYTES = 2 << 20
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_a_warm_start_takes_verdicts_from_the_cache_and_reports_the_same_graphs(
     def no_trace(*args, **kwargs):
         raise AssertionError("CUDA safety traced although its verdict is cached")
 
-    monkeypatch.setattr(capture_module, "check_graph_safe", no_trace)
+    monkeypatch.setattr(safety_module, "check_graph_safe", no_trace)
     warm = start(cache_dir, model_dir)
     assert warm.startup_cache is not None and warm.startup_cache.hits > 0 and warm.startup_cache.misses == 0
     phases = {g.phase for g in warm.records}
@@ -154,11 +155,12 @@ def _other_spec(cache_dir: Path, model_dir: Path) -> dict:
     return {"max_num_seqs": 2}
 
 
-def _touch_weights(cache_dir: Path, model_dir: Path) -> dict:
-    weights = model_dir / "model.safetensors"
-    st = weights.stat()
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    return {}
+def _edit_one_weight(cache_dir: Path, model_dir: Path) -> dict:
+    # One float of one weight, as a loader would give it: same files, same sizes, same mtimes.
+    model = tiny_llama()
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[7] += 1e-3
+    return {"model": model}
 
 
 def _edit_config(cache_dir: Path, model_dir: Path) -> dict:
@@ -172,7 +174,7 @@ def _new_source(cache_dir: Path, model_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "change", [_other_spec, _touch_weights, _edit_config, _new_source], ids=lambda f: f.__name__[1:]
+    "change", [_other_spec, _edit_one_weight, _edit_config, _new_source], ids=lambda f: f.__name__[1:]
 )
 def test_any_change_to_the_key_misses(cache_dir, model_dir, monkeypatch, change) -> None:
     start(cache_dir, model_dir)
@@ -183,6 +185,29 @@ def test_any_change_to_the_key_misses(cache_dir, model_dir, monkeypatch, change)
     assert after.startup_cache is not None and after.startup_cache.hits == 0
     assert all(src == ("run", "run") for src in sources(after).values())
     assert len(list(cache_dir.glob("*.json"))) == 2  # a second entry beside the first
+
+
+def test_a_touch_that_changes_no_byte_still_hits(cache_dir, model_dir) -> None:
+    """The key is the weights' content, never a file's modification time."""
+    cold = start(cache_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    warm = start(cache_dir, model_dir)
+    assert warm.startup_cache is not None and warm.startup_cache.misses == 0 and warm.cached_checks
+    assert warm.startup_cache.key == cold.startup_cache.key
+
+
+def test_the_weights_digest_is_their_bytes() -> None:
+    model = tiny_llama()
+    digest = startup_cache.weights_digest([model])
+    assert startup_cache.weights_digest([tiny_llama()]) == digest
+    # A module listed twice (a drafter sharing the target) is counted once.
+    assert startup_cache.weights_digest([model, model]) == digest
+    with torch.no_grad():
+        last = list(model.parameters())[-1].view(-1)
+        last[-1] = torch.nextafter(last[-1], torch.tensor(float("inf")))
+    assert startup_cache.weights_digest([model]) != digest
 
 
 def test_a_different_thread_count_misses(cache_dir, model_dir) -> None:

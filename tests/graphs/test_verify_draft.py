@@ -14,9 +14,9 @@ from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_PREFILL
 from warmcap.engine import LLMEngine
-from warmcap.graphs.capture import CapturedGraph, GraphCapturer
+from warmcap.graphs.capture.capturer import CapturedGraph, GraphCapturer
 from warmcap.graphs.hook import graph_capture_hook
-from warmcap.graphs.verify import GraphCheck, verify_graphs
+from warmcap.graphs.proof.verify import GraphCheck, verify_graphs
 from warmcap.runner_v2.kv_cache import KV_LAYOUTS
 from warmcap.sampling_params import SamplingParams
 

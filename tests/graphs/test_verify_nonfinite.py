@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from warmcap.graphs.verify import Passes, Tolerance, _check
+from warmcap.graphs.proof.verify import Passes, Tolerance, _check
 
 
 def _passes(out: torch.Tensor) -> Passes:

@@ -13,9 +13,9 @@ import torch
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.engine import LLMEngine
-from warmcap.graphs import verify
-from warmcap.graphs.capture import CapturedGraph, GraphCapturer
-from warmcap.graphs.verify import GraphCheck, verify_graphs
+from warmcap.graphs.capture.capturer import CapturedGraph, GraphCapturer
+from warmcap.graphs.proof import verify
+from warmcap.graphs.proof.verify import GraphCheck, verify_graphs
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import openai
 import pytest
 from serve_fixtures import gated, metric, running
 
-from warmcap.graphs.report import CaptureReport
+from warmcap.graphs.proof.report import CaptureReport
 from warmcap.llm import LLM, build_config
 from warmcap.sampling_params import SamplingParams
 from warmcap.serve import ServeOptions, build_app

@@ -10,7 +10,7 @@ import torch
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.engine import LLMEngine
-from warmcap.graphs.report import CaptureReport, report_schema
+from warmcap.graphs.proof.report import CaptureReport, report_schema
 from warmcap.sampling_params import SamplingParams
 from warmcap.startup import run_startup
 from warmcap.warmup.hook import warmup_hook

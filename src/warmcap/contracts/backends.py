@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 #: Largest per-row query length a :class:`MambaBackend` must serve graph-safely (uniform batches:
 #: decode, spec verify); longer or ragged rows may take a scan that reads host lists. Graph planning
-#: (:mod:`warmcap.graphs.planning`) leaves such batches out of CUDA graphs.
+#: (:mod:`warmcap.graphs.capture.planning`) leaves such batches out of CUDA graphs.
 MAX_UNIFORM_QUERY_LEN = 16
 
 

@@ -55,7 +55,7 @@ def plain_cpu_tensors(*tensors: torch.Tensor) -> bool:
     """Whether a kernel reading raw pointers may be handed these tensors: float32 CPU tensors (or
     parameters) that are not fake, with nothing tracing the call and no gradient to record.
 
-    NOTE: fake tensors (``graphs/graph_safety.py``) have no data, and ``torch.compile`` (the
+    NOTE: fake tensors (``graphs/proof/safety.py``) have no data, and ``torch.compile`` (the
     ``compile`` graph backend) would break its graph around every opaque call: both keep torch's ops,
     as CUDA does.
     """

@@ -56,7 +56,7 @@ from warmcap.distributed.workers import LaunchedWorkers, SpawnedWorkers, WorkerW
 from warmcap.errors import ConfigError, WarmcapError
 
 if TYPE_CHECKING:
-    from warmcap.graphs.report import RankRow
+    from warmcap.graphs.proof.report import RankRow
     from warmcap.startup_hooks import StartupContext, StartupHook
 
 

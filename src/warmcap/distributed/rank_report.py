@@ -2,14 +2,14 @@
 
 A hook's result holds live objects (the graph runner, the runner itself) that cannot cross
 processes, so each rank reduces it to a small summary (:func:`summarize`); rank 0 gathers them and
-makes one :class:`~warmcap.graphs.report.RankRow` per rank (:func:`rank_rows`).
+makes one :class:`~warmcap.graphs.proof.report.RankRow` per rank (:func:`rank_rows`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from warmcap.graphs.report import RankRow, WarmupAudit
+from warmcap.graphs.proof.report import RankRow, WarmupAudit
 
 
 def summarize(name: str, result: Any) -> dict[str, Any]:

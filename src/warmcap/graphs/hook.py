@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from warmcap.graphs.proof.startup_cache import startup_cache_dir
 from warmcap.graphs.startup import GraphStartup, capture_graphs
-from warmcap.graphs.startup_cache import startup_cache_dir
 
 if TYPE_CHECKING:
     from warmcap.startup_hooks import StartupContext
@@ -22,7 +22,7 @@ def graph_capture_hook(
     """Capture the runner's graphs (``cuda`` on a GPU, ``static`` elsewhere) after warmup; None
     when the config says ``enforce_eager``. The engine keeps the result as
     ``startup_results["graph_capture"]``. ``startup_cache``: reuse and record verdicts in the
-    start-up cache (:mod:`warmcap.graphs.startup_cache`)."""
+    start-up cache (:mod:`warmcap.graphs.proof.startup_cache`)."""
     if ctx.config.model.enforce_eager:
         return None
     from warmcap.models.presets import resolve_model_path

@@ -1,5 +1,7 @@
-"""Start-up entry point: capture (target, then drafter graphs), verify, attach the graph runner
-to the model runner, and describe it for the report."""
+"""Start-up entry point: capture (:mod:`warmcap.graphs.capture`: target, then drafter graphs), prove
+(:mod:`warmcap.graphs.proof`: the CUDA-safety check, verification, the start-up cache), attach the
+graph runner to the model runner, and describe it all for the report. The one module that sees
+both halves."""
 
 from __future__ import annotations
 
@@ -11,24 +13,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from warmcap.graphs.capture import CapturedGraph, CaptureResult, GraphCapturer
-from warmcap.graphs.graph_runner import GraphRunner
-from warmcap.graphs.report import (
+from warmcap.graphs.capture.capturer import CapturedGraph, CaptureResult, GraphCapturer
+from warmcap.graphs.capture.graph_runner import GraphRunner
+from warmcap.graphs.proof.report import (
     CaptureReport,
     GraphRecord,
     RankRow,
     SpecDecodeStats,
     SpecInfo,
+    StartupCacheUse,
     WarmupAudit,
 )
-from warmcap.graphs.startup_cache import (
+from warmcap.graphs.proof.safety import GraphSafety, phase_safety
+from warmcap.graphs.proof.startup_cache import (
     CachedCheck,
     StartupCache,
     StartupKey,
     enable_compile_cache,
     same_verdict,
 )
-from warmcap.graphs.verify import GraphCheck, verify_graphs
+from warmcap.graphs.proof.verify import GraphCheck, verify_graphs
 from warmcap.models.batch_invariant import is_batch_invariant
 
 if TYPE_CHECKING:
@@ -61,6 +65,13 @@ class GraphStartup:
     cached_checks: set[str] = field(default_factory=set)
     #: the start-up cache entry this start read and wrote (None: cache off)
     startup_cache: StartupCache | None = None
+    #: CUDA-safety verdicts (``static`` / ``compile``) by the label of the graph that stands for
+    #: its phase (the largest); no entry: not checked
+    safety: dict[str, GraphSafety] = field(default_factory=dict)
+    #: labels whose ``safety`` came from the start-up cache, not a trace in this run
+    cached_safety: set[str] = field(default_factory=set)
+    #: the spot check found the cache entry stale: every graph was verified in this run
+    stale: bool = False
 
     @property
     def records(self) -> list[GraphRecord]:
@@ -70,6 +81,7 @@ class GraphStartup:
         for g in self.result.graphs:
             d = g.spec.descriptor
             check = checks.get(g.spec.label)
+            safety = self.safety.get(g.spec.label)
             out.append(
                 GraphRecord(
                     phase=g.spec.phase,  # type: ignore[arg-type]
@@ -83,10 +95,10 @@ class GraphStartup:
                     max_abs_diff=check.max_abs_diff if check else None,
                     real_rows_max_abs_diff=check.real_rows_max_abs_diff if check else None,
                     greedy_match=check.greedy_match if check else None,
-                    cuda_safe=g.safety.safe if g.safety else None,
-                    cuda_unsafe_reason=g.safety.reason if g.safety and not g.safety.safe else "",
+                    cuda_safe=safety.safe if safety else None,
+                    cuda_unsafe_reason=safety.reason if safety and not safety.safe else "",
                     verified_source="cache" if g.spec.label in self.cached_checks else "run",
-                    cuda_safe_source="cache" if g.safety_cached else "run",
+                    cuda_safe_source="cache" if g.spec.label in self.cached_safety else "run",
                 )
             )
         return out
@@ -119,6 +131,23 @@ class GraphStartup:
             notes=list(self.notes),
             batch_invariant=is_batch_invariant(self.capturer.runner.model),
             ranks=list(ranks or []),
+            startup_cache=self.cache_use,
+        )
+
+    @property
+    def cache_use(self) -> StartupCacheUse:
+        """What the start-up cache gave this start (I4: which verdicts were not checked in it)."""
+        cache = self.startup_cache
+        if cache is None:
+            return StartupCacheUse(enabled=False)
+        records = self.records
+        return StartupCacheUse(
+            enabled=True,
+            entry=str(cache.path),
+            weights_digest=cache.key.parts["weights"],
+            verified_from_cache=[r.label for r in records if r.verified_source == "cache"],
+            cuda_safe_from_cache=[r.label for r in records if r.cuda_safe_source == "cache"],
+            stale=self.stale,
         )
 
 
@@ -141,10 +170,11 @@ def capture_graphs(
     serving (``runner.attach_graphs``). ``report`` is
     :meth:`~warmcap.startup_hooks.StartupContext.report` (start-up progress) or None.
 
-    ``startup_cache``: directory of the start-up cache (:mod:`warmcap.graphs.startup_cache`;
-    None: off), keyed on the weights in ``model_dir``. With it, verdicts cached for this exact
-    setup are reused, and one graph per phase is still verified for real; ``compile`` points
-    torch's inductor caches there too.
+    ``startup_cache``: directory of the start-up cache (:mod:`warmcap.graphs.proof.startup_cache`;
+    None: off, every verdict is proven in this run), keyed on the bytes of the weights the graphs
+    run and on the files of ``model_dir``. With it, verdicts cached for this exact setup are
+    reused, and one graph per phase is still verified for real; ``compile`` points torch's
+    inductor caches there too.
     """
     say = report or _silent
     chosen = backend or default_backend(runner)
@@ -159,14 +189,22 @@ def capture_graphs(
     start = time.perf_counter()
     total = len(capturer.plan.specs) + len(capturer.draft_plan.specs)
     say("graph_capture", f"backend {chosen}: {total} graphs")
+    labels = [*(s.label for s in capturer.plan.specs), *(s.label for s in capturer.draft_plan.specs)]
+    layouts = cache.cached_layouts(labels) if cache is not None and chosen == "static" else None
     result = capturer.capture(
         on_graph=lambda done, total, label: say("graph_capture", f"captured {label}", done=done, total=total),
-        startup_cache=cache,
+        layouts=layouts,
     )
+    safety: dict[str, GraphSafety] = {}
+    if chosen != "cuda":
+        # A CPU backend cannot show that the forward would record under CUDA: check it on fakes.
+        safety = phase_safety(capturer, result.graphs, cache.cached_safety if cache else lambda label: None)
+    cached_safety = {label for label in safety if cache is not None and label in cache.safety}
     captured = time.perf_counter()
     checks: list[GraphCheck] = []
     cached_labels: set[str] = set()
     notes = list(result.notes)
+    stale: list[str] = []
     if verify:
         checks, cached_labels, stale = _verify(capturer, result.graphs, kv_cache_manager, cache, say)
         notes += stale
@@ -181,9 +219,12 @@ def capture_graphs(
             seconds=verified - captured,
         )
     if cache is not None:
+        cache.safety.update(safety)
+        if chosen == "static":
+            cache.layouts = {g.spec.label: g.layout for g in result.graphs}
         if stale:
             # Something outside the key changed; the safety verdicts read from it are suspect too.
-            cache.safety = {g.spec.label: g.safety for g in result.graphs if g.safety and not g.safety_cached}
+            cache.safety = {label: s for label, s in safety.items() if label not in cached_safety}
             # The next start runs the capture's forward passes again and records what they give.
             cache.layouts = {}
         ran = [c for c in checks if c.label not in cached_labels]
@@ -204,6 +245,9 @@ def capture_graphs(
         notes,
         cached_labels,
         cache,
+        safety,
+        cached_safety,
+        bool(stale),
     )
 
 
@@ -214,6 +258,7 @@ def _open_cache(
     key = StartupKey.build(
         device=runner.device,
         model_dir=model_dir,
+        modules=[m for subject in capturer.subjects.values() for m in subject.modules()],
         config=runner.config,
         backend=capturer.backend,
         num_blocks=manager.pool.num_blocks,

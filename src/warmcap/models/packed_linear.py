@@ -239,7 +239,7 @@ def prepacked_bytes(modules: list[nn.Module], device: torch.device, *, batch_inv
 def running_unpacked(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Within the block, the :class:`PackedLinear` among ``modules`` multiply by their parameter as a
     plain ``nn.Linear`` does (their packed copies kept, nothing re-packed on exit). For passes that
-    swap parameters for other tensors, e.g. fake ones (``graphs/graph_safety.py``): the packed copy
+    swap parameters for other tensors, e.g. fake ones (``graphs/proof/safety.py``): the packed copy
     is a oneDNN tensor outside such a swap."""
     packed = [m for m in modules if type(m) is PackedLinear]
     for module in packed:

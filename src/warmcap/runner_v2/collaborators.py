@@ -4,7 +4,7 @@ Both are handed to :class:`~warmcap.runner_v2.model_runner.ModelRunner` (the dra
 constructor argument, the dispatcher once through ``attach_graphs``); nothing outside
 ``runner_v2`` assigns runner attributes. The protocols live here, next to the runner, so the
 runner imports neither ``warmcap.drafters`` nor ``warmcap.graphs``: drafters
-(:class:`warmcap.drafters.base.BaseDrafter`) and graphs (``warmcap.graphs.graph_runner``)
+(:class:`warmcap.drafters.base.BaseDrafter`) and graphs (``warmcap.graphs.capture.graph_runner``)
 implement them.
 
 Also here: the vocabulary both sides share, the drafter pass phases and :class:`DraftPass`, one

@@ -245,7 +245,7 @@ def _check_server_spec(base: str, spec: SpeculativeConfig) -> None:
         response = httpx.get(base + "/startup", timeout=30)
         if response.status_code != 200:
             return
-        # The report's spec: {"method": name or None, "k": draft tokens} (graphs/report.py SpecInfo).
+        # The report's spec: {"method": name or None, "k": draft tokens} (graphs/proof/report.py SpecInfo).
         served = response.json()["spec"]
         method, k = served["method"], served["k"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):

@@ -2,9 +2,9 @@
 
 :func:`layout_for` picks real rows smaller than the graph (so there is padding), :func:`scratch_tables`
 lays them out on blocks taken from the KV cache manager (and gives them back without a trace),
-and each subject (:mod:`warmcap.graphs.subjects`) builds the :class:`Passes` of the check over them
-(:mod:`warmcap.graphs.verify_target`, :mod:`warmcap.graphs.verify_draft`). What the passes are held
-to lives in :mod:`warmcap.graphs.verify`.
+and each subject (:mod:`warmcap.graphs.capture.subjects`) builds the :class:`Passes` of the check over them
+(:mod:`warmcap.graphs.proof.verify_target`, :mod:`warmcap.graphs.proof.verify_draft`). What the passes are held
+to lives in :mod:`warmcap.graphs.proof.verify`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from warmcap.core.request import Request
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_cache_manager import KVCacheManager
-    from warmcap.graphs.planning import GraphSpec
+    from warmcap.graphs.capture.planning import GraphSpec
     from warmcap.runner_v2.model_runner import ModelRunner
 
 VERIFY_REQ_PREFIX = "graph-verify-"

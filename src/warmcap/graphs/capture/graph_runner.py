@@ -14,16 +14,16 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from warmcap.graphs.descriptors import BatchDescriptor, Dispatcher
-from warmcap.graphs.planning import DRAFTER, TARGET
-from warmcap.graphs.static_inputs import DraftInputs
+from warmcap.graphs.capture.descriptors import BatchDescriptor, Dispatcher
+from warmcap.graphs.capture.planning import DRAFTER, TARGET
+from warmcap.graphs.capture.static_inputs import DraftInputs
 from warmcap.runner_v2.collaborators import GraphReplay
 
 if TYPE_CHECKING:
     import torch
 
-    from warmcap.graphs.capture import CapturedGraph
-    from warmcap.graphs.subjects import GraphSubject
+    from warmcap.graphs.capture.capturer import CapturedGraph
+    from warmcap.graphs.capture.subjects import GraphSubject
     from warmcap.runner_v2.collaborators import DraftPass
     from warmcap.runner_v2.input_batch import StepInputs
 

@@ -2,8 +2,8 @@
 
 Each row's context is written by eager prefills over its earlier positions; the checked step then
 runs unpadded (the reference, auxiliary hidden states included), replayed, and padded eagerly. What
-the passes are held to lives in :mod:`warmcap.graphs.verify`; the batch's vocabulary in
-:mod:`warmcap.graphs.verify_batch`.
+the passes are held to lives in :mod:`warmcap.graphs.proof.verify`; the batch's vocabulary in
+:mod:`warmcap.graphs.proof.verify_batch`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from warmcap.graphs.verify_batch import VERIFY_REQ_PREFIX, Passes, context_chunks
+from warmcap.graphs.proof.verify_batch import VERIFY_REQ_PREFIX, Passes, context_chunks
 from warmcap.runner_v2.input_batch import StepInputs
 
 if TYPE_CHECKING:
-    from warmcap.graphs.capture import CapturedGraph
-    from warmcap.graphs.subjects import TargetSubject
-    from warmcap.graphs.verify_batch import Layout
+    from warmcap.graphs.capture.capturer import CapturedGraph
+    from warmcap.graphs.capture.subjects import TargetSubject
+    from warmcap.graphs.proof.verify_batch import Layout
 
 
 def target_step(

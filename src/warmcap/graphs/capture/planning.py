@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from warmcap.contracts.backends import MAX_UNIFORM_QUERY_LEN
 from warmcap.core.kv_spec import MambaSpec
-from warmcap.graphs.descriptors import BatchDescriptor, CUDAGraphMode
-from warmcap.graphs.sizes import default_capture_sizes, uniform_decode_sizes
+from warmcap.graphs.capture.descriptors import BatchDescriptor, CUDAGraphMode
+from warmcap.graphs.capture.sizes import default_capture_sizes, uniform_decode_sizes
 from warmcap.runner_v2.collaborators import DRAFT_DECODE, DRAFT_PREFILL
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from warmcap.runner_v2.model_runner import ModelRunner
 
 
-#: the subjects a graph may record (:mod:`warmcap.graphs.subjects`)
+#: the subjects a graph may record (:mod:`warmcap.graphs.capture.subjects`)
 TARGET = "target"
 DRAFTER = "drafter"
 

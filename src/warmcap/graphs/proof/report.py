@@ -3,7 +3,7 @@
 ``CaptureReport.to_json()`` output validates against ``warmcap/schemas/capture_report.schema.json``
 (JSON Schema draft 2020-12). Derived numbers (totals, acceptance length) are written for readers
 and recomputed on load, so a hand-edited file cannot disagree with its own records.
-Rendering lives in :mod:`warmcap.graphs.render`, comparison in :mod:`warmcap.graphs.diff`.
+Rendering lives in :mod:`warmcap.graphs.proof.render`, comparison in :mod:`warmcap.graphs.proof.diff`.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ class GraphRecord:
     max_abs_diff: float | None = None
     real_rows_max_abs_diff: float | None = None
     greedy_match: bool | None = None
-    #: would this graph record under CUDA (``graphs.graph_safety``, checked on CPU for the static
+    #: would this graph record under CUDA (``graphs.proof.safety``, checked on CPU for the static
     #: and compile backends)? None: not checked (a ``cuda`` capture proves it by recording)
     cuda_safe: bool | None = None
     cuda_unsafe_reason: str = ""
     #: ``run``: ``verified`` was checked in this start-up; ``cache``: taken from the start-up cache
-    #: (:mod:`warmcap.graphs.startup_cache`)
+    #: (:mod:`warmcap.graphs.proof.startup_cache`)
     verified_source: VerdictSource = "run"
     #: the same for ``cuda_safe``
     cuda_safe_source: VerdictSource = "run"
@@ -141,6 +141,25 @@ class RankRow:
 
 
 @dataclass(frozen=True, slots=True)
+class StartupCacheUse:
+    """What the start-up cache (:mod:`warmcap.graphs.proof.startup_cache`) gave one start: which
+    verdicts were taken from it rather than proven in this run (invariant I4 rests on an earlier,
+    identical start for those). ``enabled`` False: every verdict was proven in this run."""
+
+    enabled: bool
+    #: the entry file read and written
+    entry: str | None = None
+    #: sha256 of the bytes of the weights the graphs run: the part of the key that names them
+    weights_digest: str | None = None
+    #: labels (:attr:`GraphRecord.label`) of graphs whose replay-vs-eager verdict came from the cache
+    verified_from_cache: list[str] = field(default_factory=list)
+    #: labels of graphs whose CUDA-safety verdict came from the cache
+    cuda_safe_from_cache: list[str] = field(default_factory=list)
+    #: the spot check disagreed with a cached verdict: nothing was taken, every graph verified again
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class CaptureReport:
     """Everything start-up did to graphs, for one engine on one device."""
 
@@ -158,6 +177,8 @@ class CaptureReport:
     batch_invariant: bool = False
     #: one row per tensor-parallel rank (empty on one device; the top-level fields are rank 0's)
     ranks: list[RankRow] = field(default_factory=list)
+    #: what the start-up cache gave (None: not said — an eager start, or a report older than it)
+    startup_cache: StartupCacheUse | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -202,6 +223,8 @@ class CaptureReport:
         if self.ranks:
             # Only under tensor parallelism, so one-device reports keep their exact shape.
             data["ranks"] = [{**asdict(r), "all_verified": r.all_verified} for r in self.ranks]
+        if self.startup_cache is not None:
+            data["startup_cache"] = asdict(self.startup_cache)
         return data
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -243,6 +266,7 @@ class CaptureReport:
                     )
                     for r in data.get("ranks", [])
                 ],
+                startup_cache=StartupCacheUse(**data["startup_cache"]) if "startup_cache" in data else None,
             )
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"capture report is malformed ({exc}): regenerate it") from None

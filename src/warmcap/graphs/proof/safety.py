@@ -42,7 +42,7 @@ from __future__ import annotations
 import copy
 import sysconfig
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -60,7 +60,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from warmcap.graphs.planning import GraphSpec
+from warmcap.graphs.capture.planning import GraphSpec, plan_draft_graphs, plan_target_graphs
 from warmcap.models.packed_linear import running_unpacked
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from warmcap.contracts import AttentionMetadata
-    from warmcap.graphs.capture import CapturedGraph, GraphCapturer
+    from warmcap.graphs.capture.capturer import CapturedGraph, GraphCapturer
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
@@ -103,7 +103,6 @@ def check_graph_safe(
     the graph's inputs loaded (as right after its capture): the host-side Mamba planning in front
     of the recorded region reads them. No real tensor, buffer or cache is written.
     """
-    # NOTE: duck-typed on GraphSpec, not CapturedGraph: capture.py may import this module.
     if isinstance(graph, GraphSpec):
         spec = graph
     else:
@@ -127,6 +126,42 @@ def check_graph_safe(
         # Any failure on fakes means the forward could not be shown to record; say which and where.
         return GraphSafety(False, f"{_describe(e)} at {_where(e.__traceback__)}")
     return GraphSafety(True)
+
+
+def phase_safety(
+    capturer: GraphCapturer,
+    graphs: list[CapturedGraph],
+    cached: Callable[[str], GraphSafety | None] = lambda label: None,
+) -> dict[str, GraphSafety]:
+    """The CUDA-safety verdict of each phase, by the label of its largest graph (the first of its
+    phase in capture order): the code path depends on the phase, not the size, so that graph
+    stands for it. A verdict ``cached(label)`` finds (the start-up cache's) is taken as is; the others are
+    traced, with the graph's capture inputs (all padding) loaded again first. An unsafe phase the
+    ``cuda`` plan would not capture anyway says so (that plan runs it eagerly)."""
+    verdicts: dict[str, GraphSafety] = {}
+    phases: set[str] = set()
+    for graph in graphs:
+        spec = graph.spec
+        if spec.phase in phases:
+            continue
+        phases.add(spec.phase)
+        found = cached(spec.label)
+        if found is None:
+            capturer.load(spec)
+            found = _explained(capturer, spec, check_graph_safe(capturer, graph))
+        verdicts[spec.label] = found
+    return verdicts
+
+
+def _explained(capturer: GraphCapturer, spec: GraphSpec, safety: GraphSafety) -> GraphSafety:
+    if safety.safe:
+        return safety
+    runner = capturer.runner
+    cuda_target = plan_target_graphs(runner, capture_sizes=capturer.capture_sizes, backend="cuda")
+    cuda_specs = [*cuda_target.specs, *plan_draft_graphs(runner, cuda_target, backend="cuda").specs]
+    if spec.label in {s.label for s in cuda_specs}:
+        return safety
+    return replace(safety, reason=f"{safety.reason}; the cuda plan runs this phase eagerly")
 
 
 def _host_prelude(

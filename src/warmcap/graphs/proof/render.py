@@ -7,8 +7,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from warmcap.graphs.diff import DiffResult
-from warmcap.graphs.report import CaptureReport, GraphRecord, RankRow
+from warmcap.graphs.proof.diff import DiffResult
+from warmcap.graphs.proof.report import CaptureReport, GraphRecord, RankRow
 
 BACKEND_EXPLAINED = {
     "cuda": "CUDA graphs were recorded with torch.cuda.CUDAGraph into one shared memory pool and "
@@ -48,12 +48,7 @@ def render(report: CaptureReport, console: Console) -> None:
     t = report.totals
     ok = "[green]all verified[/]" if t.all_verified else "[red]NOT all verified[/]"
     console.print(f"[bold]totals[/]  {t.count} graphs, {t.seconds:.3f} s, {_mib(t.bytes)}, {ok}")
-    cached = sum(g.verified_source == "cache" for g in report.graphs)
-    if cached:
-        console.print(
-            f"[dim]{cached} of {t.count} verdicts from the start-up cache (one graph per phase verified "
-            "in this run; --no-startup-cache verifies all)[/]"
-        )
+    _print_startup_cache(report, console)
     if not report.batch_invariant and any(g.real_rows_max_abs_diff for g in report.graphs):
         console.print(
             "[dim]real rows: small nonzero differences are float rounding (the unpadded batch has "
@@ -89,6 +84,39 @@ def render(report: CaptureReport, console: Console) -> None:
         console.print("[bold]timings[/]  " + ", ".join(timings))
     for note in report.notes:
         console.print(f"[yellow]note:[/] {note}")
+
+
+def _print_startup_cache(report: CaptureReport, console: Console) -> None:
+    """Which verdicts were taken from the start-up cache rather than proven in this run (I4)."""
+    use = report.startup_cache
+    cached = [g.label for g in report.graphs if g.verified_source == "cache"]
+    safety = [g.label for g in report.graphs if g.cuda_safe_source == "cache"]
+    if use is not None and not use.enabled:
+        console.print("[bold]start-up cache[/]  off: every verdict was proven in this run")
+        return
+    if use is not None and use.stale:
+        console.print(
+            f"[bold]start-up cache[/]  [yellow]stale[/] (a spot check disagreed): every graph was "
+            f"verified in this run; entry rebuilt ({use.entry})",
+            highlight=False,
+        )
+        return
+    if not cached and not safety:
+        if use is not None:
+            console.print(
+                f"[bold]start-up cache[/]  nothing taken: every verdict proven in this run, recorded in "
+                f"{use.entry}",
+                highlight=False,
+            )
+        return
+    where = f" ({use.entry}, weights sha256 {(use.weights_digest or '?')[:16]})" if use is not None else ""
+    console.print(
+        f"[bold]start-up cache[/]  {len(cached)} of {len(report.graphs)} verdicts and {len(safety)} "
+        f"CUDA-safety verdict(s) from the start-up cache{where}, not proven in this run; one graph per "
+        "phase was verified again (the table's 'proof' column names them). --no-startup-cache "
+        "proves all.",
+        highlight=False,
+    )
 
 
 def _rank_table(ranks: list[RankRow]) -> Table:
@@ -143,7 +171,12 @@ def _graph_table(graphs: list[GraphRecord], backend: str) -> Table:
         ("ok", "center"),
     ):
         table.add_column(name, justify=justify, no_wrap=True)
+    # Only when the start-up cache gave any verdict: where each came from.
+    sources = any(g.verified_source == "cache" or g.cuda_safe_source == "cache" for g in graphs)
+    if sources:
+        table.add_column("proof", justify="left", no_wrap=True)
     for g in graphs:
+        proof = [_source(g)] if sources else []
         table.add_row(
             g.phase,
             g.mode,
@@ -154,8 +187,17 @@ def _graph_table(graphs: list[GraphRecord], backend: str) -> Table:
             _diff(g.real_rows_max_abs_diff),
             _yes_no(g.greedy_match),
             _yes_no(g.verified),
+            *proof,
         )
     return table
+
+
+def _source(g: GraphRecord) -> Text:
+    """``run`` or ``cache`` for the replay-vs-eager verdict, and the CUDA-safety one where checked."""
+    text = g.verified_source
+    if g.cuda_safe is not None:
+        text += f", cuda-safe {g.cuda_safe_source}"
+    return Text(text, style="yellow" if "cache" in text else "dim")
 
 
 def render_diff(result: DiffResult, console: Console) -> None:

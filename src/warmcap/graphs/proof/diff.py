@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.report import CaptureReport, GraphRecord
+from warmcap.graphs.proof.report import CaptureReport, GraphRecord
 
 # Capture times below this many seconds are noise on any machine; changes under it are not judged.
 TIME_FLOOR_S = 0.005

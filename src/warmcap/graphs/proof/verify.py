@@ -2,7 +2,7 @@
 
 For each graph, target or drafter, a real batch with fewer requests / tokens than the graph holds
 (so there is padding) is laid out on blocks taken from the KV cache manager; its rows' contexts are
-written by eager prefills (the graph's subject sets the batch up: :mod:`warmcap.graphs.verify_batch`), then
+written by eager prefills (the graph's subject sets the batch up: :mod:`warmcap.graphs.proof.verify_batch`), then
 
 1. the unpadded batch runs eagerly (the reference for real rows),
 2. the batch is padded into the graph's buffers and replayed,
@@ -37,7 +37,10 @@ import numpy as np
 import torch
 
 from warmcap.core.kv_spec import MambaSpec
-from warmcap.graphs.verify_batch import Passes, PoolTooSmallError, layout_for, scratch_tables
+from warmcap.graphs.capture.planning import DRAFTER, TARGET
+from warmcap.graphs.proof.verify_batch import Passes, PoolTooSmallError, layout_for, scratch_tables
+from warmcap.graphs.proof.verify_draft import draft_passes
+from warmcap.graphs.proof.verify_target import target_passes
 from warmcap.models.batch_invariant import is_batch_invariant
 from warmcap.runner_v2.kv_cache import KV_LAYOUTS
 from warmcap.runner_v2.mamba_state import MambaMetadata
@@ -46,7 +49,11 @@ if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_cache_manager import KVCacheManager
     from warmcap.core.kv_spec import KVCacheGroup
-    from warmcap.graphs.capture import CapturedGraph, GraphCapturer
+    from warmcap.graphs.capture.capturer import CapturedGraph, GraphCapturer
+
+#: how a subject's graphs are checked: the passes of one check over a real batch, by subject name
+#: (:mod:`warmcap.graphs.capture.subjects`; capture knows nothing of its proof)
+PASS_BUILDERS: dict[str, Callable[..., Passes]] = {TARGET: target_passes, DRAFTER: draft_passes}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +124,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 def graph_rng(seed: int, label: str) -> np.random.Generator:
     """The inputs' generator of one graph's check: seeded by the graph, not by the graphs checked
     before it, so a check gives the same numbers alone as in a full pass (the start-up cache's
-    spot check, :mod:`warmcap.graphs.startup_cache`, relies on it)."""
+    spot check, :mod:`warmcap.graphs.proof.startup_cache`, relies on it)."""
     return np.random.default_rng([seed, zlib.crc32(label.encode())])
 
 
@@ -166,7 +173,7 @@ def _verify_one(
     sizes = [c + n for c, n in zip(layout.contexts, layout.query_lens, strict=True)]
     try:
         with scratch_tables(runner, manager, spec.label, sizes) as (tables, num_blocks):
-            passes = subject.passes(graph, layout, tables, num_blocks, rng, vocab)
+            passes = PASS_BUILDERS[spec.subject](subject, graph, layout, tables, num_blocks, rng, vocab)
             t, caches = sum(layout.query_lens), runner.kv_caches.tensors
             written = [
                 _layer_written(g, passes.metas[g.name], caches[x], t) for g in groups for x in g.layer_names

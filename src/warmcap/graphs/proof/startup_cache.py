@@ -2,10 +2,10 @@
 
 Two verdicts of graph start-up cost seconds and depend only on what went into them:
 
-- the CUDA-safety verdict of each phase (:func:`warmcap.graphs.graph_safety.check_graph_safe`, a
+- the CUDA-safety verdict of each phase (:func:`warmcap.graphs.proof.safety.check_graph_safe`, a
   fake-tensor trace of the forward: a function of the code, torch, the model's structure and the
   graph's shape);
-- each graph's verification (:mod:`warmcap.graphs.verify`): replay vs eager on seeded random
+- each graph's verification (:mod:`warmcap.graphs.proof.verify`): replay vs eager on seeded random
   inputs per graph. On a CPU the kernels are deterministic for a given torch build, ISA, thread
   count and weights, so the same key gives the same numbers, bit for bit.
 
@@ -13,16 +13,21 @@ One JSON file per :class:`StartupKey` holds both (``<digest>.json`` under
 :func:`startup_cache_dir`), and the layout (shape and dtype) of each ``static`` graph's outputs:
 ``static`` records nothing, so its capture's only product is those buffers, and with the layout
 cached a warm start allocates them without running the capture's forward passes
-(:mod:`warmcap.graphs.capture`). The key covers everything that can change a verdict:
+(:mod:`warmcap.graphs.capture.capturer`). The key covers everything that can change a verdict:
 
-- warmcap's own source: a hash of every ``.py``/``.json`` file of the package (an edited file is a
-  new key even without a new version);
+- warmcap's own source (:func:`warmcap.source.source_digest`: every Python, data and C kernel
+  file of the package; an edited file is a new key even without a new version) and the
+  environment switches that pick its CPU kernels (:data:`KERNEL_ENV`);
 - torch's version, the Python version, the CPU ISA torch dispatches to, the thread count, the
   device, dtype and graph backend;
-- the model directory: small files (``config.json``, tokenizer files) by content hash, weight
-  files by name, size and modification time (ns). Hashing 0.5 GB of weights would cost about as
-  much as the verdicts it saves; any rewrite of a file through the file system moves its mtime.
-  NOTE: an edit that restores the old mtime on purpose (``touch -d``) is not seen: clear the cache;
+- the weights *by content*: a sha256 of the bytes of every parameter and buffer of every module a
+  graph runs (the target model and the drafter's modules, as loaded: this rank's shard, in the
+  dtype it runs), computed at every start (:func:`weights_digest`). Never a file's size or
+  modification time: an edit that keeps both is seen, a ``touch`` that changes no byte is not a
+  new key. It costs a pass over the weights at hashing speed (~1 GB/s a core, spread over
+  threads), against the seconds of verification it saves;
+- the rest of the model directory by content (``config.json``, tokenizer files; weight files are
+  named only, their bytes enter through the modules above);
 - the engine config (``repr`` of the finished :class:`~warmcap.config.EngineConfig`), the KV pool
   size and every graph spec of the plan.
 
@@ -43,29 +48,38 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
-from warmcap.graphs.graph_safety import GraphSafety
-from warmcap.graphs.verify import GraphCheck
+from warmcap.graphs.capture.layouts import OutputLayout
+from warmcap.graphs.proof.safety import GraphSafety
+from warmcap.graphs.proof.verify import GraphCheck
 from warmcap.source import source_digest
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    from warmcap.graphs.planning import GraphSpec
+    from warmcap.graphs.capture.planning import GraphSpec
 
 log = logging.getLogger("warmcap.startup")
 
 #: moves the start-up cache (default: ``startup/`` in the warmcap cache, next to the models)
 CACHE_ENV = "WARMCAP_STARTUP_CACHE"
 #: bumped when an entry's layout changes; older entries are ignored and rewritten
-ENTRY_VERSION = 2
-#: files hashed by content; anything else in a model directory is keyed by size and mtime
-_CONTENT_HASHED_MAX_BYTES = 1 << 20
+ENTRY_VERSION = 3
+#: weight files in a model directory: their bytes enter the key as loaded (:func:`weights_digest`)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+#: environment switches that choose the CPU kernels a forward runs (``cpu_kernels``, ``models``)
+KERNEL_ENV = (
+    "WARMCAP_CPU_ATTENTION",
+    "WARMCAP_CPU_GEMM",
+    "WARMCAP_CPU_LAYER_OPS",
+    "WARMCAP_EXACT_GREEDY_HEAD",
+)
 
 
 def startup_cache_dir() -> Path:
@@ -79,17 +93,48 @@ def startup_cache_dir() -> Path:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """The model directory as the key sees it (module docstring): small files by content, large
-    ones by size and mtime."""
+    """The model directory as the key sees it: every file by name, all but weight files by content
+    (the weights' bytes are :func:`weights_digest`'s)."""
     h = hashlib.sha256()
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-        st = path.stat()
         h.update(str(path.relative_to(model_dir)).encode())
-        if st.st_size <= _CONTENT_HASHED_MAX_BYTES:
+        if path.suffix not in WEIGHT_SUFFIXES:
             h.update(b"=" + hashlib.sha256(path.read_bytes()).digest())
-        else:
-            h.update(f"@{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(b"\0")
     return h.hexdigest()
+
+
+def weights_digest(modules: Iterable[nn.Module]) -> str:
+    """sha256 over the name, dtype, shape and bytes of every parameter and buffer of ``modules``
+    (a tensor shared by two modules counted once, in the order first seen). Each tensor is hashed
+    on its own, in parallel threads (hashlib releases the GIL), and the digests are combined."""
+    tensors: dict[int, tuple[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+    for i, module in enumerate(modules):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            tensors.setdefault(id(t), (f"{i}.{name}", t))
+
+    def digest(t: torch.Tensor) -> bytes:
+        data = t.detach().contiguous().cpu().reshape(-1)
+        if data.dtype == torch.bool:
+            data = data.to(torch.uint8)
+        return hashlib.sha256(memoryview(data.view(torch.uint8).numpy())).digest()
+
+    items = list(tensors.values())
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda item: digest(item[1]), items))
+    h = hashlib.sha256()
+    for (name, t), d in zip(items, digests, strict=True):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}=".encode() + d)
+    return h.hexdigest()
+
+
+def kernel_switches() -> str:
+    """The values of :data:`KERNEL_ENV` (unset: empty)."""
+    return ";".join(f"{name}={os.environ.get(name, '')}" for name in KERNEL_ENV)
 
 
 def machine_parts(device: torch.device) -> dict[str, str]:
@@ -120,6 +165,7 @@ class StartupKey:
         *,
         device: torch.device,
         model_dir: Path,
+        modules: Iterable[nn.Module],
         config: Any,
         backend: str,
         num_blocks: int,
@@ -128,8 +174,10 @@ class StartupKey:
         return cls(
             {
                 "warmcap_source": source_digest(),
+                "kernels": kernel_switches(),
                 **machine_parts(device),
                 "model": model_fingerprint(model_dir),
+                "weights": weights_digest(modules),
                 "config": repr(config),
                 "backend": backend,
                 "num_blocks": str(num_blocks),
@@ -141,50 +189,6 @@ class StartupKey:
     def digest(self) -> str:
         """File name stem of the entry: sha256 of the parts."""
         return hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorLayout:
-    """Shape and dtype of one static graph output."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TensorLayout:
-        return cls(tuple(t.shape), t.dtype)
-
-    def to_json(self) -> list[Any]:
-        return [list(self.shape), str(self.dtype).removeprefix("torch.")]
-
-    @classmethod
-    def from_json(cls, data: Any) -> TensorLayout:
-        shape, dtype = data
-        found = getattr(torch, dtype) if isinstance(dtype, str) else None
-        if not isinstance(found, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise TypeError(f"{data!r} is not a [shape, dtype] layout")
-        return cls(tuple(shape), found)
-
-
-@dataclass(frozen=True, slots=True)
-class OutputLayout:
-    """The layout of a graph's static outputs: the main output and its auxiliary ones, in order."""
-
-    output: TensorLayout
-    aux: tuple[TensorLayout, ...] = ()
-
-    @classmethod
-    def of(cls, output: torch.Tensor, aux: Iterable[torch.Tensor]) -> OutputLayout:
-        return cls(TensorLayout.of(output), tuple(TensorLayout.of(t) for t in aux))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"output": self.output.to_json(), "aux": [a.to_json() for a in self.aux]}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> OutputLayout:
-        return cls(
-            TensorLayout.from_json(data["output"]), tuple(TensorLayout.from_json(a) for a in data["aux"])
-        )
 
 
 @dataclass(slots=True)

@@ -4,9 +4,10 @@ The target subject runs the runner's model over the runner's :class:`StepBuffers
 subject runs the runner's drafter over the runner's drafter buffers
 (:class:`~warmcap.runner_v2.draft_buffers.DraftBuffers`). Capture, replay, verification and the
 CUDA-safety check go through :class:`GraphSubject` only, so ``graphs/`` never asks which kind a
-graph is: a :class:`~warmcap.graphs.planning.GraphSpec` names its subject, and the subject knows
-how to load its inputs, build and refresh its metadata, run its forward, and set up the passes of
-its verification.
+graph is: a :class:`~warmcap.graphs.capture.planning.GraphSpec` names its subject, and the subject
+knows how to load its inputs, build and refresh its metadata and run its forward. How a subject's
+graphs are *proven* (the passes of their verification) is the proof's business
+(:mod:`warmcap.graphs.proof.verify`), which looks a subject up by name: capture never imports proof.
 """
 
 from __future__ import annotations
@@ -18,19 +19,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from warmcap.graphs.descriptors import BatchShape
-from warmcap.graphs.planning import DRAFTER, TARGET
-from warmcap.graphs.static_inputs import DraftInputs, empty_step, load_padded, spread_uniform_padding
-from warmcap.graphs.verify_draft import draft_passes
-from warmcap.graphs.verify_target import target_passes
+from warmcap.graphs.capture.descriptors import BatchShape
+from warmcap.graphs.capture.planning import DRAFTER, TARGET
+from warmcap.graphs.capture.static_inputs import DraftInputs, empty_step, load_padded, spread_uniform_padding
 from warmcap.runner_v2.collaborators import DRAFT_DECODE
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup
-    from warmcap.graphs.capture import CapturedGraph
-    from warmcap.graphs.planning import GraphSpec
-    from warmcap.graphs.verify_batch import Layout, Passes
+    from warmcap.graphs.capture.planning import GraphSpec
     from warmcap.runner_v2.collaborators import Drafter, DraftPass
     from warmcap.runner_v2.draft_buffers import DraftBuffers
     from warmcap.runner_v2.input_batch import StepInputs
@@ -85,18 +82,6 @@ class GraphSubject(ABC, Generic[InputsT]):
     def modules(self) -> list[nn.Module]:
         """Every module the subject's forward may run."""
 
-    @abstractmethod
-    def passes(
-        self,
-        graph: CapturedGraph,
-        layout: Layout,
-        tables: dict[str, torch.Tensor],
-        num_blocks: int,
-        rng: np.random.Generator,
-        vocab: int,
-    ) -> Passes:
-        """The three passes of ``graph``'s verification over ``layout`` on scratch ``tables``."""
-
 
 class TargetSubject(GraphSubject["StepInputs"]):
     """The runner's model over the runner's step buffers; outputs hidden states and the
@@ -131,17 +116,6 @@ class TargetSubject(GraphSubject["StepInputs"]):
 
     def modules(self) -> list[nn.Module]:
         return [self.runner.model]
-
-    def passes(
-        self,
-        graph: CapturedGraph,
-        layout: Layout,
-        tables: dict[str, torch.Tensor],
-        num_blocks: int,
-        rng: np.random.Generator,
-        vocab: int,
-    ) -> Passes:
-        return target_passes(self, graph, layout, tables, num_blocks, rng, vocab)
 
 
 class DrafterSubject(GraphSubject[DraftInputs]):
@@ -208,17 +182,6 @@ class DrafterSubject(GraphSubject[DraftInputs]):
     def modules(self) -> list[nn.Module]:
         # The drafter's modules are its module attributes (a head, a draft LM).
         return [v for v in vars(self.drafter).values() if isinstance(v, nn.Module)]
-
-    def passes(
-        self,
-        graph: CapturedGraph,
-        layout: Layout,
-        tables: dict[str, torch.Tensor],
-        num_blocks: int,
-        rng: np.random.Generator,
-        vocab: int,
-    ) -> Passes:
-        return draft_passes(self, graph, layout, tables, num_blocks, rng, vocab)
 
 
 def make_subjects(runner: ModelRunner) -> dict[str, GraphSubject[Any]]:

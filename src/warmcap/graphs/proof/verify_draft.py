@@ -3,7 +3,7 @@
 A real pass smaller than the graph (one request fewer for ``draft_decode``, one token fewer for
 ``draft_prefill``) is laid out on scratch blocks; the rows' drafter contexts are written first by
 eager ``draft_prefill`` passes over their earlier positions. The passes and what they are held to
-are the target graphs' (:mod:`warmcap.graphs.verify`): outputs, what the real rows wrote into the
+are the target graphs' (:mod:`warmcap.graphs.proof.verify`): outputs, what the real rows wrote into the
 drafter's cache, and greedy draft tokens (a ``draft_prefill`` that only writes context, DFlash's,
 has none).
 """
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from warmcap.graphs.static_inputs import DraftInputs
-from warmcap.graphs.verify_batch import Passes, context_chunks
+from warmcap.graphs.capture.static_inputs import DraftInputs
+from warmcap.graphs.proof.verify_batch import Passes, context_chunks
 from warmcap.runner_v2.collaborators import DRAFT_PREFILL, DraftPass
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
-    from warmcap.graphs.capture import CapturedGraph
-    from warmcap.graphs.subjects import DrafterSubject
-    from warmcap.graphs.verify_batch import Layout
+    from warmcap.graphs.capture.capturer import CapturedGraph
+    from warmcap.graphs.capture.subjects import DrafterSubject
+    from warmcap.graphs.proof.verify_batch import Layout
 
 
 def draft_passes(

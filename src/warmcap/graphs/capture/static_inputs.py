@@ -20,7 +20,7 @@ from warmcap.runner_v2.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
-    from warmcap.graphs.planning import GraphSpec
+    from warmcap.graphs.capture.planning import GraphSpec
     from warmcap.runner_v2.collaborators import DraftPass
 
 

@@ -6,7 +6,7 @@ benign all-padding batches (every slot PAD, every row ``seq_len`` 0), so capture
 but the sink block. Each shape keeps the metadata objects of its eager pass: backends that plan
 per metadata object (FlashInfer) find the plan the eager pass made.
 
-What a graph records is its spec's *subject* (:mod:`warmcap.graphs.subjects`): target graphs
+What a graph records is its spec's *subject* (:mod:`warmcap.graphs.capture.subjects`): target graphs
 output the final hidden states and, when the runner asks for them (EAGLE-3, DFlash), the auxiliary
 hidden states of its ``aux_hidden_state_layers`` as further static outputs; drafter graphs run the
 drafter's ``forward_pass`` over the runner's drafter buffers.
@@ -25,30 +25,32 @@ Backends:
   would be a second forward over the inputs of the eager pass: the graph keeps the outputs of
   that pass as its static outputs instead (one forward per shape, not two). Those buffers are all
   a ``static`` capture produces (every replay overwrites them before they are read), so when the
-  start-up cache holds the layout of every graph's outputs (a warm start of the same key), they are
-  allocated from it and no forward runs at all; verification still replays (``graphs/startup.py``).
+  caller holds the layout of every graph's outputs (``layouts``: a warm start's, from the start-up
+  cache), they are allocated from it and no forward runs at all; verification still replays
+  (``graphs/startup.py``).
 - ``compile``: ``torch.compile`` of the forward per shape over the static buffers (no graph).
+
+Capture proves nothing: whether the graphs replay like eager, and would record under CUDA, is
+:mod:`warmcap.graphs.proof`'s to say, and ``graphs/startup.py`` asks it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.graph_safety import GraphSafety, check_graph_safe
-from warmcap.graphs.planning import GraphPlan, GraphSpec, plan_draft_graphs, plan_target_graphs
-from warmcap.graphs.startup_cache import OutputLayout, TensorLayout
-from warmcap.graphs.static_inputs import graph_metadata
-from warmcap.graphs.subjects import GraphSubject, Outputs, make_subjects
+from warmcap.graphs.capture.layouts import OutputLayout, allocate
+from warmcap.graphs.capture.planning import GraphPlan, GraphSpec, plan_draft_graphs, plan_target_graphs
+from warmcap.graphs.capture.static_inputs import graph_metadata
+from warmcap.graphs.capture.subjects import GraphSubject, Outputs, make_subjects
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
-    from warmcap.graphs.startup_cache import StartupCache
     from warmcap.runner_v2.model_runner import ModelRunner
 
 GRAPH_BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
@@ -66,11 +68,11 @@ class CapturedGraph:
     memory_bytes: int = 0
     #: static auxiliary hidden states ``[num_tokens, H]`` (target graphs of EAGLE-3 / DFlash runners)
     aux: list[torch.Tensor] = field(default_factory=list)
-    #: would it record under CUDA (``static`` / ``compile``: checked on the largest graph of each
-    #: phase with fake tensors; None: not checked)
-    safety: GraphSafety | None = None
-    #: ``safety`` came from the start-up cache, not a trace in this run
-    safety_cached: bool = False
+
+    @property
+    def layout(self) -> OutputLayout:
+        """Shape and dtype of the static outputs (what a warm ``static`` capture allocates)."""
+        return OutputLayout.of(self.output, self.aux)
 
 
 @dataclass(slots=True)
@@ -96,7 +98,6 @@ class GraphCapturer:
         *,
         capture_sizes: list[int] | None = None,
         drafter_graphs: bool = True,
-        check_cuda_safety: bool = True,
     ):
         if backend not in GRAPH_BACKENDS:
             raise ConfigError(f"unknown graph backend {backend!r}: use one of {', '.join(GRAPH_BACKENDS)}")
@@ -107,9 +108,7 @@ class GraphCapturer:
             )
         self.runner = runner
         self.backend = backend
-        self._capture_sizes = capture_sizes
-        # A CPU backend cannot show that the forward would record under CUDA: check it on fakes.
-        self.check_cuda_safety = check_cuda_safety and backend != "cuda"
+        self.capture_sizes = capture_sizes
         self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes, backend=backend)
         self.draft_plan = (
             plan_draft_graphs(runner, self.plan, backend=backend) if drafter_graphs else GraphPlan([], [], [])
@@ -127,7 +126,7 @@ class GraphCapturer:
 
     def load(self, spec: GraphSpec, inputs: Any | None = None) -> None:
         """Fill ``spec``'s static buffers with ``inputs`` (default: all padding) in its shape: a
-        ``StepInputs`` for a target graph, a :class:`~warmcap.graphs.subjects.DraftInputs` for a
+        ``StepInputs`` for a target graph, a :class:`~warmcap.graphs.capture.subjects.DraftInputs` for a
         drafter graph."""
         self.subject(spec).load(spec, inputs)
 
@@ -157,19 +156,18 @@ class GraphCapturer:
         self,
         on_graph: Callable[[int, int, str], None] | None = None,
         *,
-        startup_cache: StartupCache | None = None,
+        layouts: Mapping[str, OutputLayout] | None = None,
     ) -> CaptureResult:
         """Eager pass over every shape, then capture largest first (target, then drafter);
         ``on_graph(done, total, label)`` is called after each capture (start-up progress).
-        CUDA-safety verdicts found in ``startup_cache`` are taken from it; traced ones are put
-        there (:mod:`warmcap.graphs.startup_cache`)."""
+        ``layouts`` (``static`` only, used when it has every graph's): the outputs' layouts of an
+        earlier identical start, allocated instead of running any forward."""
         result = CaptureResult(
             self.plan, [], notes=[*self.plan.notes, *self.draft_plan.notes], draft_plan=self.draft_plan
         )
         specs = [*self.plan.specs, *self.draft_plan.specs]
-        layouts = None
-        if self.backend == "static" and startup_cache is not None:
-            layouts = startup_cache.cached_layouts([s.label for s in specs])
+        if self.backend != "static" or (layouts is not None and any(s.label not in layouts for s in specs)):
+            layouts = None
         eager_outputs: dict[str, Outputs] = {}
         if layouts is None:
             for spec in specs:
@@ -179,7 +177,6 @@ class GraphCapturer:
                     eager_outputs[spec.label] = outputs
                 result.order.append(("eager", spec.label))
             self._sync()
-        checked: set[str] = set()
         for group in (self.plan.specs, self.draft_plan.specs):
             for spec in sorted(group, key=lambda s: (s.num_tokens, s.rows), reverse=True):
                 graph = self._capture_one(
@@ -187,33 +184,11 @@ class GraphCapturer:
                     eager_outputs.pop(spec.label, None),
                     None if layouts is None else layouts[spec.label],
                 )
-                if self.backend == "static" and startup_cache is not None:
-                    startup_cache.layouts[spec.label] = OutputLayout.of(graph.output, graph.aux)
-                if self.check_cuda_safety and spec.phase not in checked:
-                    # The code path depends on the phase, not the size: the largest graph stands for it.
-                    checked.add(spec.phase)
-                    cached = startup_cache.cached_safety(spec.label) if startup_cache else None
-                    graph.safety = cached or self._cuda_safety(graph)
-                    graph.safety_cached = cached is not None
-                    if startup_cache is not None:
-                        startup_cache.safety[spec.label] = graph.safety
                 result.graphs.append(graph)
                 result.order.append(("capture", spec.label))
                 if on_graph is not None:
                     on_graph(len(result.graphs), len(specs), spec.label)
         return result
-
-    def _cuda_safety(self, graph: CapturedGraph) -> GraphSafety:
-        """The fake-tensor check of ``graph``; an unsafe graph the ``cuda`` plan would not capture
-        anyway says so (that plan runs its phase eagerly)."""
-        safety = check_graph_safe(self, graph)
-        if safety.safe:
-            return safety
-        cuda_target = plan_target_graphs(self.runner, capture_sizes=self._capture_sizes, backend="cuda")
-        cuda_specs = [*cuda_target.specs, *plan_draft_graphs(self.runner, cuda_target, backend="cuda").specs]
-        if graph.spec.label in {s.label for s in cuda_specs}:
-            return safety
-        return replace(safety, reason=f"{safety.reason}; the cuda plan runs this phase eagerly")
 
     def _capture_one(
         self, spec: GraphSpec, eager_outputs: Outputs | None = None, layout: OutputLayout | None = None
@@ -249,7 +224,7 @@ class GraphCapturer:
             if eager_outputs is not None:
                 output, aux = eager_outputs
             elif layout is not None and forward is None:
-                output, aux = _allocate(layout, runner.device)
+                output, aux = allocate(layout, runner.device)
             else:
                 output, aux = forward() if forward is not None else self.forward(spec, metas)
             memory = sum(t.numel() * t.element_size() for t in (output, *aux))
@@ -270,12 +245,3 @@ class GraphCapturer:
     def _sync(self) -> None:
         if self.backend == "cuda":
             torch.cuda.synchronize(self.runner.device)
-
-
-def _allocate(layout: OutputLayout, device: torch.device) -> Outputs:
-    """Zeroed static outputs in ``layout`` on ``device``."""
-
-    def zeros(t: TensorLayout) -> torch.Tensor:
-        return torch.zeros(t.shape, dtype=t.dtype, device=device)
-
-    return zeros(layout.output), [zeros(a) for a in layout.aux]
