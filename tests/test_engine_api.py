@@ -152,6 +152,12 @@ def test_vllm_keyword_arguments(llm: LLM) -> None:
     assert build_config("tiny-llama", gpu_memory_utilization=0.5).cache.memory_fraction == 0.5
     with pytest.raises(ConfigError, match="same setting"):
         build_config("tiny-llama", gpu_memory_utilization=0.5, memory_fraction=0.4)
+    # A bad value is refused under the name the user passed.
+    with pytest.raises(ConfigError, match=r"^gpu_memory_utilization must be in \(0, 1\]; got 1.5") as bad:
+        LLM("tiny-llama", gpu_memory_utilization=1.5)
+    assert "memory_fraction" not in str(bad.value)
+    with pytest.raises(ConfigError, match=r"^memory_fraction must be"):
+        build_config("tiny-llama", memory_fraction=1.5)
     assert build_config("tiny-llama", dtype="auto", device="cpu").model.dtype == "float32"
     assert llm.get_tokenizer() is llm.engine.tokenizer is not None
     # one request is one sample; generate() fans n out

@@ -154,11 +154,21 @@ def test_nan_weights_raise_an_error_naming_the_model(tmp_path: Path) -> None:
     _assert_clean(engine)
 
 
-def test_cli_generate_with_nan_weights_exits_1_with_one_line(tmp_path: Path) -> None:
-    path = _nan_model(tmp_path)
-    res = CliRunner().invoke(
-        app, ["generate", "-m", str(path), "-p", "hi", "--max-tokens", "4", "--max-model-len", "64"]
-    )
-    assert res.exit_code == 1, res.output
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "non-finite" in lines[0] and "nan-llama" in lines[0], res.output
+def test_an_unusable_model_exits_2_with_one_line_whatever_makes_it_so(tmp_path: Path) -> None:
+    """One rule for a model given that cannot be used: NaN logits, a folder that is no model,
+    a checkpoint that does not load all exit 2 (usage), with one line naming it."""
+    nan = _nan_model(tmp_path)
+    broken = tmp_path / "broken-llama"
+    shutil.copytree(resolve_model("tiny-llama"), broken)
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    for path, needle in (
+        (nan, "non-finite"),
+        (tmp_path / "missing", "neither a preset"),
+        (broken, "broken-llama"),
+    ):
+        res = CliRunner().invoke(
+            app, ["generate", "-m", str(path), "-p", "hi", "--max-tokens", "4", "--max-model-len", "64"]
+        )
+        assert res.exit_code == 2, res.output
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0] and path.name in lines[0], res.output

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from warmcap import __version__
-from warmcap.errors import ConfigError, NonFiniteLogitsError, WarmcapError
+from warmcap.errors import ConfigError, WarmcapError
 
 app = typer.Typer(
     name="warmup",
@@ -385,8 +385,9 @@ def generate(
     try:
         for delta in llm.engine.stream(prompt_ids, params):
             out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
-    except (NonFiniteLogitsError, AuditViolationError) as exc:
-        # Not a usage error: the model (or warmcap, for a stray write) is broken, so exit 1, not 2.
+    except AuditViolationError as exc:
+        # Not the user's input: warmcap wrote KV outside a request's blocks, so exit 1, not 2. A
+        # model whose logits turn non-finite is an unusable model given, like any other (exit 2).
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     out.print()
@@ -675,7 +676,9 @@ def serve(
 ) -> None:
     """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
 
-    Exits 1 when start-up fails or finds a stray KV write; 0 after SIGINT/SIGTERM.
+    Exits 2 when the model or options given are unusable (as every command does), 1 when start-up
+    finds a stray KV write, graphs that do not replay like eager, or fails otherwise; 0 after
+    SIGINT/SIGTERM.
     """
     _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
     from warmcap.graphs.capture.sizes import parse_capture_sizes
@@ -716,8 +719,10 @@ def serve(
     configure_logging(err, log_level(quiet=quiet, verbose=verbose, default=INFO), name="warmcap.startup")
     failure = run_server(config, options, host=host, port=port, model_threads=model_threads)
     if failure is not None:
-        err.print(f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure)}", highlight=False)
-        raise typer.Exit(1)
+        err.print(
+            f"[bold red]FAIL:[/] start-up did not become ready: {escape(failure.reason)}", highlight=False
+        )
+        raise typer.Exit(EXIT_USAGE if failure.bad_input else 1)
 
 
 # ---- warmup worker -------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -298,6 +297,11 @@ class LLMEngine:
         text, token_ids = split_prompt(prompt)
         if token_ids is None:
             token_ids = self.encode(text or "")
+        if not token_ids:
+            raise ConfigError(
+                f"the prompt is empty ({'text ' + repr(text) if text is not None else 'no token ids'} "
+                "encodes to no token): give at least one token to generate from"
+            )
         check_token_ids(token_ids, self.vocab_size)
         return text, token_ids
 
@@ -470,7 +474,7 @@ class LLMEngine:
                 children = [parent] if sp.n == 1 else [f"{parent}-{i}" for i in range(sp.n)]
                 groups.append((parent, children))
                 for i, child in enumerate(children):
-                    self._enqueue(child, text, token_ids, _sample_params(sp, i), index=i)
+                    self._enqueue(child, text, token_ids, sp.for_sample(i), index=i)
             done = self._run_to_completion([c for _, cs in groups for c in cs], use_tqdm)
         except BaseException:
             self._abort_all(c for _, cs in groups for c in cs)
@@ -534,14 +538,6 @@ class LLMEngine:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
-def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The settings of a prompt's ``index``-th sample: one sample each; a seed moves on by the index
-    so the samples differ (as vLLM seeds parallel samples)."""
-    if params.n == 1:
-        return params
-    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
 def _try_tokenizer(load: Callable[[Path], Any], path: Path) -> Any:

@@ -69,9 +69,16 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
         if name in _KWARG_TARGETS:
             part, attr = _KWARG_TARGETS[name]
             parts[part][attr] = value
+    try:
+        cache = CacheConfig(**parts["cache"])
+    except ConfigError as exc:
+        if "gpu_memory_utilization" not in kwargs:
+            raise
+        # The user passed vLLM's name: the message names it, not warmcap's field it maps to.
+        raise ConfigError(str(exc).replace("memory_fraction", "gpu_memory_utilization")) from None
     return EngineConfig(
         model=ModelConfig(**parts["model"]),
-        cache=CacheConfig(**parts["cache"]),
+        cache=cache,
         scheduler=SchedulerConfig(**parts["scheduler"]),
         speculative=SpeculativeConfig.parse(kwargs.get("speculative_config")),
         kv_role=kwargs.get("kv_role", "none"),

@@ -128,6 +128,14 @@ class SamplingParams:
         object.__setattr__(params, "all_stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids + eos)))
         return params
 
+    def for_sample(self, index: int) -> SamplingParams:
+        """The settings of this prompt's ``index``-th of ``n`` samples: one sample each, a seed moved
+        on by the index so the samples differ (as vLLM seeds parallel samples). Every surface that
+        fans ``n`` out (``LLM.generate``, the server) queues these."""
+        if self.n == 1:
+            return self
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -176,7 +176,6 @@ def test_spec_counters_move_and_match_engine(server) -> None:
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": list(range(3, 203))}, "max_model_len"),
-        ({"model": "gpt-4"}, "gpt-4"),
         ({"prompt": 42}, "prompt"),
         ({"prompt": [3, 10**9]}, "vocabulary"),
     ],

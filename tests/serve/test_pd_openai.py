@@ -1,8 +1,12 @@
 """``kv_transfer_params`` on the OpenAI endpoints of a P and a D server in one process: P answers
 with its block ids, D reads them and answers like P's own greedy decode; bad parameters are a 400
-before anything is queued, a failed read a 502 that names the cause."""
+before anything is queued, a failed read a 502 that names the cause and fails no other request."""
 
 from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -97,3 +101,51 @@ def test_a_failed_read_is_a_502_and_d_serves_on(pd) -> None:
     assert bad.status_code == 502 and "does not match" in bad.json()["error"]["message"]
     assert _post(d, "/v1/completions", prompt=prompt, max_tokens=4).status_code == 200
     assert p.all_blocks_free() and d.all_blocks_free()
+
+
+def test_a_nixl_error_mid_read_fails_its_request_only(pd, monkeypatch) -> None:
+    """NIXL's transfer-state call raising while D reads (a prefill instance gone mid-transfer) ends
+    that request with a 502 naming NIXL's error; a plain request decoding on D meanwhile completes
+    with the text it has alone."""
+    from nixl_cu12._bindings import nixlRemoteDisconnectError
+
+    p, d = pd
+    plain = {"prompt": list(range(10, 20)), "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    alone = _post(d, "/v1/completions", **plain).json()["choices"][0]["text"]
+    prompt = list(range(200, 240))
+    params = _post(p, "/v1/completions", prompt=prompt, max_tokens=1, kv_transfer_params=DECODE).json()[
+        "kv_transfer_params"
+    ]
+    engine = d.state.loop.engine
+    agent = engine.kv_connector_worker._agent
+    fired: list[int] = []
+
+    def check_xfer_state(handle: object) -> str:
+        # Runs in D's engine thread: the read stays in flight until the plain request is decoding
+        # beside it, then NIXL's call raises, as it does when the peer vanishes mid-transfer.
+        if not engine.scheduler.running:
+            return "PROC"
+        fired.append(len(engine.scheduler.running))
+        raise nixlRemoteDisconnectError("remote agent disconnected (injected)")
+
+    monkeypatch.setattr(agent, "check_xfer_state", check_xfer_state)
+    with ThreadPoolExecutor(1) as pool:
+        failing = pool.submit(
+            _post, d, "/v1/completions", prompt=prompt, max_tokens=4, kv_transfer_params=params
+        )
+        time.sleep(0.2)  # D has posted its READs and polls them
+        stream = [
+            json.loads(line[len("data: ") :])
+            for line in httpx.post(
+                d.base_url + "/v1/completions", json={"model": MODEL, "stream": True, **plain}, timeout=120
+            ).text.splitlines()
+            if line.startswith("data: {")
+        ]
+        failed = failing.result(timeout=60)
+    assert fired, "the injected NIXL error never fired"
+    assert failed.status_code == 502, failed.text
+    message = failed.json()["error"]["message"]
+    assert "nixlRemoteDisconnectError" in message and "prompt KV" in message, message
+    assert "".join(c["choices"][0]["text"] for c in stream if c["choices"]) == alone
+    assert stream[-1]["choices"][0]["finish_reason"] == "length"
+    assert d.all_blocks_free() and p.all_blocks_free()

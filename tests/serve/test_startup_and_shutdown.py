@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from safetensors.torch import load_file, save_file
 from serve_fixtures import metric, running
 from typer.testing import CliRunner
 
@@ -17,6 +19,7 @@ import warmcap.warmup.hook
 from server_procs import cluster, free_port
 from warmcap.cli import app as cli_app
 from warmcap.llm import build_config
+from warmcap.models.presets import resolve_model_path
 from warmcap.serve import ServeOptions, build_app
 from warmcap.warmup.audit import Violation
 
@@ -94,6 +97,14 @@ def test_serve_enforce_eager_becomes_ready_with_no_graphs_and_audits_serving(mon
         assert done.choices[0].text
         # every step of the request was audited (one per token with no drafts), all clean
         assert audit.ok and audit.steps - steps_before >= 8 and audit.slots_checked > 0
+        # ... and the counts are visible, in /metrics and in /startup, not only inferred from silence
+        m = srv.metrics()
+        assert metric(m, "warmcap:serving_audit_enabled") == 1
+        assert metric(m, "warmcap:serving_audit_steps_total") == audit.steps
+        assert metric(m, "warmcap:serving_audit_slots_checked_total") == audit.slots_checked > 0
+        assert metric(m, "warmcap:serving_audit_violations_total") == 0
+        counts = httpx.get(srv.base_url + "/startup").json()["serving_audit"]
+        assert counts == {"steps": audit.steps, "slots_checked": audit.slots_checked, "violations": 0}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -136,3 +147,30 @@ def test_a_stop_signal_ends_inflight_requests_with_an_error_and_exits_0(
         log = srv.log.read_text()
         stopped = re.search(r"engine stopped; (\d+) of (\d+) KV blocks free", log)
         assert stopped and stopped.group(1) == stopped.group(2), log[-2000:]
+
+
+def test_serve_with_an_unusable_model_exits_2(tmp_path: Path) -> None:
+    """The CLI's one rule for a model given that cannot be used (here: one whose logits are NaN,
+    found by start-up's smoke generation): exit 2, as ``warmup generate`` exits for it and for a
+    missing or unloadable model (``tests/test_engine_safety.py``)."""
+    nan = tmp_path / "nan-llama"
+    shutil.copytree(resolve_model_path("tiny-llama"), nan)
+    weights = load_file(nan / "model.safetensors")
+    save_file(
+        {k: v.fill_(float("nan")) if "norm" in k else v for k, v in weights.items()},
+        nan / "model.safetensors",
+    )
+    args = ["serve", *SMALL[2:], "--model", str(nan), "--enforce-eager", "--port", str(free_port())]
+    result = CliRunner().invoke(cli_app, args)
+    assert result.exit_code == 2, result.output
+    assert "non-finite" in result.output and "nan-llama" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_proxy_exits_0_on_sigterm(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        gone = f"http://127.0.0.1:{free_port()}"
+        proxy = c._start("proxy", ["proxy", "--prefill", gone, "--decode", gone])
+        assert proxy.health() == 502  # serving, with neither server up
+        proxy.process.send_signal(signal.SIGTERM)
+        assert proxy.process.wait(30) == 0, proxy.log_tail()

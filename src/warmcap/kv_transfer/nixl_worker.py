@@ -182,6 +182,14 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._start_read(job)
             except KVTransferError as exc:
                 self._fail(job, str(exc))
+            except Exception as exc:  # NIXL's own exception types: this read fails, not the step
+                remote = job.remote
+                self._peers.pop((remote.host, remote.port), None)
+                self._fail(
+                    job,
+                    f"NIXL could not read the prompt KV from {remote.host}:{remote.port} "
+                    f"({type(exc).__name__}: {exc}); the prefill instance may have stopped",
+                )
 
     def wait_for_save(self) -> None:
         """Nothing to wait for: P's KV is written by the forward itself, and D reads it later."""
@@ -355,8 +363,10 @@ class NixlConnectorWorker(KVConnectorWorker):
             remote = read.job.remote
             where = f"{remote.host}:{remote.port}"
             if read.error is None:
-                states = [self._agent.check_xfer_state(h) for h in read.handles]
-                if "ERR" in states:
+                states = self._states(read)
+                if isinstance(states, str):
+                    read.error = f"NIXL failed to read the prompt KV from {where} ({states}): the prefill instance may have stopped"
+                elif "ERR" in states:
                     read.error = f"NIXL failed to read the prompt KV from {where}: the prefill instance may have stopped"
                 elif all(state == "DONE" for state in states):
                     self._release_handles(read)
@@ -374,6 +384,17 @@ class NixlConnectorWorker(KVConnectorWorker):
                 del self._reads[req_id]
                 self._fail(read.job, read.error)
         return done
+
+    def _states(self, read: _Read) -> list[str] | str:
+        """Each READ's state ("DONE", "PROC", "ERR"), or why NIXL could not say.
+
+        NOTE: NIXL reports most failures as "ERR", but its transfer-state call may also raise (a
+        peer gone mid-transfer): that fails this read, never the engine step and its neighbours.
+        """
+        try:
+            return [self._agent.check_xfer_state(h) for h in read.handles]
+        except Exception as exc:  # NIXL raises its own exception types per status
+            return f"{type(exc).__name__}: {exc}"
 
     def _confirm(self, read: _Read) -> None:
         """Every chunk arrived: tell P it may free the blocks (a NIXL notification carrying P's
@@ -430,7 +451,12 @@ class NixlConnectorWorker(KVConnectorWorker):
         if self._agent is None:
             return set()
         confirmed = self._confirmed
-        for messages in self._agent.get_new_notifs().values():
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as exc:  # NIXL's own types; the side channel's releases and deadlines remain
+            log.warning("warmcap: NIXL notifications unreadable this step (%s: %s)", type(exc).__name__, exc)
+            notifs = {}
+        for messages in notifs.values():
             confirmed.update(m.decode(errors="replace") for m in messages)
         with self._lock:
             confirmed |= self._released

@@ -7,17 +7,19 @@ The engine starts (audited start-up, then the step loop) when the app's lifespan
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from warmcap import __version__
-from warmcap.serve.engine_loop import EngineLoop, State
+from warmcap.serve.engine_loop import EngineLoop, StartFailure, State
 from warmcap.serve.errors import APIError, error_response, install_error_handlers
 from warmcap.serve.metrics import ServingMetrics
 from warmcap.serve.openai_api import router
@@ -39,8 +41,8 @@ class ServeOptions:
     capture_sizes: list[int] | None = None
     #: audit the KV writes of every serving step (a stray write fails that step's requests)
     audit_serving: bool = False
-    #: called from the engine thread with the reason when start-up fails or is refused
-    on_failure: Callable[[str], None] | None = field(default=None, compare=False)
+    #: called from the engine thread with why when start-up fails or is refused
+    on_failure: Callable[[StartFailure], None] | None = field(default=None, compare=False)
     #: seconds the lifespan waits for the engine thread at shutdown
     shutdown_timeout: float = 30.0
     #: fill every free KV block with a poison value once start-up is done (a debugging check, ``serve/poison.py``)
@@ -64,10 +66,12 @@ class ServerState:
             raise APIError(503, _not_ready(self.loop), "engine_unavailable")
 
     def check_model(self, name: str) -> None:
+        """404 for a model this server does not serve, as vLLM's server answers (``NotFoundError``
+        in the ``openai`` client)."""
         if name != self.model_name:
             raise APIError(
-                400,
-                f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                404,
+                f"the model {name!r} does not exist here; this server serves {self.model_name!r}",
                 "model_not_found",
                 "model",
             )
@@ -86,7 +90,7 @@ def build_app(
     k = spec.num_speculative_tokens if spec is not None else 0
     model_name = config.model.model
     loop: EngineLoop
-    metrics = ServingMetrics(model_name, lambda: loop.spec_metrics(), k)
+    metrics = ServingMetrics(model_name, lambda: loop.spec_metrics(), k, lambda: loop.serving_audit_counts())
     starter = start or partial(
         start_engine,
         config,
@@ -111,7 +115,7 @@ def build_app(
     app.state.warmcap = ServerState(loop, metrics, model_name)
     install_error_handlers(app)
     if opts.api_key is not None:
-        app.middleware("http")(partial(_check_bearer, opts.api_key))
+        app.add_middleware(_BearerAuth, api_key=opts.api_key)
     app.include_router(router)
 
     @app.get("/health")
@@ -132,7 +136,11 @@ def build_app(
     async def startup_report() -> Response:
         if loop.started is None:
             return error_response(503, _not_ready(loop), "engine_unavailable")
-        return Response(loop.started.report_json, media_type="application/json")
+        # The start-up report, plus the serving audit's counts so far (null: --audit-serving off).
+        report = json.loads(loop.started.report_json)
+        counts = loop.serving_audit_counts()
+        report["serving_audit"] = None if counts is None else counts.to_json()
+        return JSONResponse(report)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -160,16 +168,28 @@ def _not_ready(loop: EngineLoop) -> str:
     return "the engine is still starting (warmup, audit, graph capture); retry when GET /health is 200"
 
 
-async def _check_bearer(api_key: str, request: Request, call_next: Callable) -> Response:
-    """``/v1/*`` needs the API key as a bearer token; health, metrics and version stay open."""
-    if request.url.path.startswith("/v1"):
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            seen = "no bearer token" if not token else "a wrong bearer token"
-            return error_response(
-                401,
-                f"invalid API key: sent {seen}; send 'Authorization: Bearer <key>' with the server's --api-key",
-                "invalid_api_key",
-            )
-    return await call_next(request)
+class _BearerAuth:
+    """``/v1/*`` needs the API key as a bearer token; health, metrics and version stay open.
+
+    NOTE: plain ASGI rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware``
+    wraps ``receive``, and handlers read the client's disconnect from it (``openai_api._Run``).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+                seen = "no bearer token" if not token else "a wrong bearer token"
+                response = error_response(
+                    401,
+                    f"invalid API key: sent {seen}; send 'Authorization: Bearer <key>' with the server's --api-key",
+                    "invalid_api_key",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -13,11 +13,12 @@ from warmcap.errors import ConfigError
 class ChatPrompt:
     """A conversation to render with the chat template (in the engine thread, which owns the tokenizer)."""
 
-    messages: tuple[tuple[str, str], ...]
+    #: ``(role, content, name)``; ``name`` None when the message has none
+    messages: tuple[tuple[str, str, str | None], ...]
 
 
-def chat_token_ids(tokenizer: Any, messages: Sequence[tuple[str, str]], model: str) -> list[int]:
-    """Render ``(role, content)`` pairs with the template and encode the text as is.
+def chat_token_ids(tokenizer: Any, messages: Sequence[tuple[str, str, str | None]], model: str) -> list[int]:
+    """Render ``(role, content, name)`` messages with the template and encode the text as is.
 
     NOTE: the template writes any BOS itself, so the text is encoded without special tokens;
     encoding with them would give a second BOS.
@@ -25,8 +26,16 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[tuple[str, str]], model: s
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"model {model!r} has no chat template: use /v1/completions with a plain prompt")
     text = tokenizer.apply_chat_template(
-        [{"role": role, "content": content} for role, content in messages],
+        [_message(*m) for m in messages],
         add_generation_prompt=True,
         tokenize=False,
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _message(role: str, content: str, name: str | None) -> dict[str, str]:
+    return (
+        {"role": role, "content": content}
+        if name is None
+        else {"role": role, "content": content, "name": name}
+    )

@@ -15,12 +15,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from warmcap.errors import ConfigError, WarmcapError
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.serve.chat import ChatPrompt, chat_token_ids
+from warmcap.warmup.audit import AuditViolationError
 
 if TYPE_CHECKING:
     from warmcap.engine import LLMEngine, RequestOutput
@@ -66,12 +67,36 @@ class _Sink:
 
 
 @dataclass(frozen=True, slots=True)
+class ServingAuditCounts:
+    """The serving audit so far: steps audited, KV slots checked in the clean ones, and steps it
+    failed (a stray write ends its step's requests)."""
+
+    steps: int
+    slots_checked: int
+    violations: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"steps": self.steps, "slots_checked": self.slots_checked, "violations": self.violations}
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailure:
+    """Why start-up did not end ready; ``bad_input`` when the model or options given are unusable
+    (a :class:`WarmcapError` other than an audit violation: the CLI exits 2, else 1)."""
+
+    reason: str
+    bad_input: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
     prompt: str | list[int] | ChatPrompt
     params: SamplingParams
     sink: _Sink
     kv_transfer_params: dict | None = None
+    #: the request named no ``max_tokens``: it gets what the context leaves after its prompt
+    fill_max_tokens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +112,8 @@ class _Stop:
 class EngineLoop:
     """Owns the engine: runs ``start`` (the audited start-up) then serves commands until stopped.
 
-    ``on_failure`` is called (from the engine thread) with the reason when start-up fails or the
-    audit refuses the engine, so the process can exit non-zero.
+    ``on_failure`` is called (from the engine thread) with a :class:`StartFailure` when start-up
+    fails or the audit refuses the engine, so the process can exit non-zero.
     """
 
     def __init__(
@@ -97,7 +122,7 @@ class EngineLoop:
         metrics: ServingMetrics,
         *,
         num_spec_positions: int = 0,
-        on_failure: Callable[[str], None] | None = None,
+        on_failure: Callable[[StartFailure], None] | None = None,
     ) -> None:
         self._start = start
         self._metrics = metrics
@@ -112,12 +137,23 @@ class EngineLoop:
         self.state = State.STARTING
         self.failure: str | None = None
         self.started: StartedEngine | None = None
+        #: serving steps the KV-write audit failed (``--audit-serving``; each raised and ended its step)
+        self.audit_failed_steps = 0
 
     @property
     def engine(self) -> LLMEngine:
         """The started engine (only once :attr:`state` is READY)."""
         assert self.started is not None, "the engine is not started yet"
         return self.started.engine
+
+    def serving_audit_counts(self) -> ServingAuditCounts | None:
+        """``--audit-serving``'s running counts since start-up; None when the audit is off (or
+        the engine not started)."""
+        audit = self.started.engine.serving_audit if self.started is not None else None
+        if audit is None:
+            return None
+        failed = self.audit_failed_steps
+        return ServingAuditCounts(audit.totals.steps + failed, audit.totals.slots_checked, failed)
 
     def spec_metrics(self) -> SpecDecodeMetrics:
         """The engine's running spec-decode totals; empty before start-up finishes."""
@@ -136,15 +172,19 @@ class EngineLoop:
         out: asyncio.Queue[Item],
         index: int = 0,
         kv_transfer_params: dict | None = None,
+        *,
+        fill_max_tokens: bool = False,
     ) -> None:
-        """Queue a request; its outputs go to ``out`` tagged with ``index``. Prompt problems (too
-        long, no chat template) come back as an :class:`EngineFailure` with status 400."""
+        """Queue a request; its outputs go to ``out`` tagged with ``index``. Prompt problems (empty,
+        too long, ``max_tokens`` beyond the context, no chat template) come back as an
+        :class:`EngineFailure` with status 400. ``fill_max_tokens``: the request named no limit, so
+        it may generate up to the end of the context."""
         sink = _Sink(asyncio.get_running_loop(), out, index, time.monotonic())
         with self._lock:
             if self.state is not State.READY:
                 sink.put(EngineFailure(f"the server is not serving (state: {self.state.value})"))
                 return
-            self._commands.put(_Add(request_id, prompt, params, sink, kv_transfer_params))
+            self._commands.put(_Add(request_id, prompt, params, sink, kv_transfer_params, fill_max_tokens))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop requests and free their blocks (no-op for ones already finished)."""
@@ -165,12 +205,15 @@ class EngineLoop:
         try:
             started = self._start()
         except Exception as exc:  # any start-up failure must reach the operator, not kill a thread
-            self._fail(str(exc) if isinstance(exc, WarmcapError) else f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, WarmcapError):
+                self._fail(StartFailure(str(exc), bad_input=not isinstance(exc, AuditViolationError)))
+            else:
+                self._fail(StartFailure(f"{type(exc).__name__}: {exc}"))
             return
         self.started = started
         self._metrics.set_startup(started.facts)
         if started.refusal is not None:
-            self._fail(started.refusal)
+            self._fail(StartFailure(started.refusal))
             return
         # The smoke generation of start-up is in the report; /metrics counts served requests only.
         started.engine.spec_metrics = SpecDecodeMetrics(accepted_per_pos=[0] * self._num_spec_positions)
@@ -179,12 +222,12 @@ class EngineLoop:
         log.info("warmcap: engine ready")
         self._serve(started.engine)
 
-    def _fail(self, reason: str) -> None:
-        self.failure = reason
+    def _fail(self, failure: StartFailure) -> None:
+        self.failure = failure.reason
         self.state = State.FAILED
-        log.error("warmcap: start-up failed: %s", reason)
+        log.error("warmcap: start-up failed: %s", failure.reason)
         if self._on_failure is not None:
-            self._on_failure(reason)
+            self._on_failure(failure)
 
     def _serve(self, engine: LLMEngine) -> None:
         while True:
@@ -226,12 +269,20 @@ class EngineLoop:
     def _add(self, engine: LLMEngine, command: _Add) -> None:
         prompt = command.prompt
         try:
+            text = None
             if isinstance(prompt, ChatPrompt):
-                prompt = chat_token_ids(engine.tokenizer, prompt.messages, engine.config.model.model)
-            elif isinstance(prompt, list):
-                _check_token_ids(engine, prompt)
+                token_ids = chat_token_ids(engine.tokenizer, prompt.messages, engine.config.model.model)
+            elif isinstance(prompt, str):
+                text, token_ids = prompt, engine.encode(prompt)
+            else:
+                token_ids = list(prompt)
+                _check_token_ids(engine, token_ids)
+            params = _fit_to_context(command.params, len(token_ids), engine.config.max_model_len, command)
             engine.add_request(
-                prompt, command.params, command.request_id, kv_transfer_params=command.kv_transfer_params
+                token_ids if text is None else {"prompt": text, "prompt_token_ids": token_ids},
+                params,
+                command.request_id,
+                kv_transfer_params=command.kv_transfer_params,
             )
         except WarmcapError as exc:
             command.sink.put(EngineFailure(str(exc), status=400))
@@ -242,6 +293,8 @@ class EngineLoop:
         try:
             outputs = engine.step()
         except Exception as exc:  # a failed step must not leave clients waiting forever
+            if isinstance(exc, AuditViolationError):
+                self.audit_failed_steps += 1
             log.exception("warmcap: engine step failed")
             self._end_all(engine, f"the engine failed: {type(exc).__name__}: {exc}", status=500)
             return
@@ -305,3 +358,23 @@ def _check_token_ids(engine: LLMEngine, token_ids: list[int]) -> None:
         raise ConfigError(
             f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); send ids the model's tokenizer produces"
         )
+
+
+def _fit_to_context(
+    params: SamplingParams, num_prompt: int, max_model_len: int, command: _Add
+) -> SamplingParams:
+    """``params`` with ``max_tokens`` the context leaves when the request named none; a named one
+    that does not fit beside the prompt is refused (as vLLM's server refuses it). A prompt that
+    fills the context is left to ``add_request``, whose error says so."""
+    room = max_model_len - num_prompt
+    if room <= 0 or num_prompt == 0:
+        return params
+    if command.fill_max_tokens:
+        return replace(params, max_tokens=room)
+    if params.max_tokens > room:
+        raise ConfigError(
+            f"max_tokens {params.max_tokens} is too large: this model's context is {max_model_len} tokens "
+            f"and the prompt has {num_prompt}, which leaves room for {room} new tokens "
+            f"({params.max_tokens} > {max_model_len} - {num_prompt}); lower max_tokens or shorten the prompt"
+        )
+    return params

@@ -8,7 +8,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):

@@ -7,12 +7,18 @@ has its own :class:`CollectorRegistry`, so two servers in one process never shar
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from warmcap.metrics import SpecDecodeCollector, SpecDecodeMetrics
 from warmcap.serve.startup_facts import StartupFacts
+
+if TYPE_CHECKING:
+    from warmcap.serve.engine_loop import ServingAuditCounts
 
 # vLLM's latency buckets, trimmed to what a CPU or one GPU sees.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
@@ -23,7 +29,11 @@ class ServingMetrics:
     """The series one server exposes at ``/metrics``, all labelled with ``model_name``."""
 
     def __init__(
-        self, model_name: str, spec_source: Callable[[], SpecDecodeMetrics], num_spec_positions: int
+        self,
+        model_name: str,
+        spec_source: Callable[[], SpecDecodeMetrics],
+        num_spec_positions: int,
+        audit_source: Callable[[], ServingAuditCounts | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
         reg, label = self.registry, ["model_name"]
@@ -87,6 +97,7 @@ class ServingMetrics:
             "warmcap:ready", "1 once start-up finished clean and requests are served.", label, registry=reg
         )
         reg.register(SpecDecodeCollector(spec_source, {"model_name": model_name}, num_spec_positions))
+        reg.register(_ServingAuditCollector(audit_source, model_name))
         self._most_batched = 0
         for gauge in (self.running, self.waiting, self.kv_usage, self.max_batched, self.ready):
             gauge.labels(model_name).set(0)
@@ -129,3 +140,35 @@ class ServingMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
+
+
+class _ServingAuditCollector(Collector):
+    """``--audit-serving``'s counts, read from the engine loop at every scrape (all 0, and
+    ``warmcap:serving_audit_enabled`` 0, when the audit is off)."""
+
+    def __init__(self, source: Callable[[], ServingAuditCounts | None], model_name: str) -> None:
+        self._source = source
+        self._model = model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._source()
+        enabled = GaugeMetricFamily(
+            "warmcap:serving_audit_enabled",
+            "1 when every serving step's KV writes are audited.",
+            labels=["model_name"],
+        )
+        enabled.add_metric([self._model], 0 if counts is None else 1)
+        yield enabled
+        values = (0, 0, 0) if counts is None else (counts.steps, counts.slots_checked, counts.violations)
+        helps = (
+            ("steps", "Serving steps whose KV writes were audited."),
+            ("slots_checked", "KV slots the serving audit checked."),
+            ("violations", "Serving steps the audit failed for a stray KV write (each ended its requests)."),
+        )
+        for (name, help_text), value in zip(helps, values, strict=True):
+            family = CounterMetricFamily(f"warmcap:serving_audit_{name}", help_text, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family

@@ -1,9 +1,16 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: requests to the engine loop, outputs
-back as one JSON body or as server-sent events ending in ``data: [DONE]``."""
+back as one JSON body or as server-sent events ending in ``data: [DONE]``.
+
+Each of a request's prompts is queued ``n`` times with :meth:`SamplingParams.for_sample`, as
+``LLM.generate`` queues them, so the same request gives the same choices as ``LLM.generate``.
+A client that goes away aborts every engine request of its HTTP request, streamed or not, queued or
+running: the engine loop frees their blocks before its next step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -13,11 +20,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from warmcap.errors import ConfigError
-from warmcap.sampling_params import SamplingParams
 from warmcap.serve.chat import ChatPrompt
 from warmcap.serve.engine_loop import EngineFailure, Item
 from warmcap.serve.errors import APIError, error_body
+from warmcap.serve.logprobs import chat_logprobs, completion_logprobs
+from warmcap.serve.params import chat_messages, chat_params, completion_params, completion_prompts
 from warmcap.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,17 +36,21 @@ from warmcap.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    Usage,
     usage,
 )
+from warmcap.serve.streaming import Sent
 
 if TYPE_CHECKING:
-    from warmcap.engine import RequestOutput
+    from warmcap.outputs import RequestOutput
+    from warmcap.sampling_params import SamplingParams
     from warmcap.serve.app import ServerState
 
-#: OpenAI's default for completions when ``max_tokens`` is not given.
-DEFAULT_COMPLETION_TOKENS = 16
-
 router = APIRouter()
+
+#: the status a request gets when its client went away (nginx's convention; nobody reads it)
+CLIENT_GONE = 499
+_CODES = {400: "invalid_request", CLIENT_GONE: "client_disconnected", 502: "bad_gateway"}
 
 
 @router.post("/v1/completions", response_model=None)
@@ -47,28 +58,38 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     state: ServerState = request.app.state.warmcap
     state.check_ready()
     state.check_model(body.model)
-    params = _sampling_params(body, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens)
-    prompts = _completion_prompts(body.prompt)
-    if body.kv_transfer_params is not None and len(prompts) != 1:
-        raise APIError(
-            400,
-            f"kv_transfer_params goes with one prompt; this request has {len(prompts)}: send them one by one",
-            "invalid_parameter",
-            "kv_transfer_params",
-        )
-    run = await _Run.begin(state, prompts, params, "cmpl", body.kv_transfer_params)
+    params = completion_params(body)
+    prompts = completion_prompts(body.prompt)
+    _check_transfer(body.kv_transfer_params, len(prompts) * params.n)
+    run = _Run(state, "cmpl", len(prompts), params)
+    await run.begin(request, prompts, params, body.kv_transfer_params)
     if body.stream:
         return _sse(run.completion_chunks(body), run)
     outputs = await run.collect()
+    choices = []
+    for index, out in enumerate(outputs):
+        echo = run.prompt_text(out) if body.echo else ""
+        c = out.outputs[0]
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = completion_logprobs(c.token_ids, c.logprobs, body.logprobs or 0, len(echo))
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=echo + c.text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_token_ids=out.prompt_token_ids if body.return_token_ids else None,
+                token_ids=c.token_ids if body.return_token_ids else None,
+            )
+        )
     return JSONResponse(
         CompletionResponse(
             id=run.id,
             model=body.model,
-            choices=[
-                CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
-                for i, o in enumerate(outputs)
-            ],
-            usage=usage(*_token_counts(outputs)),
+            choices=choices,
+            usage=run.usage(outputs),
             kv_transfer_params=outputs[0].kv_transfer_params,
         ).model_dump()
     )
@@ -79,105 +100,118 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     state: ServerState = request.app.state.warmcap
     state.check_ready()
     state.check_model(body.model)
-    # Without a limit, answer until the context is full (the engine stops at max_model_len).
-    limit = next(
-        (n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), state.max_model_len
-    )
-    params = _sampling_params(body, limit)
-    prompt = ChatPrompt(tuple((m.role, m.content) for m in body.messages))
-    run = await _Run.begin(state, [prompt], params, "chatcmpl", body.kv_transfer_params)
+    # Without a limit, answer until the context is full (the engine loop sets what the prompt leaves).
+    params = chat_params(body, state.max_model_len)
+    fill = body.max_completion_tokens is None and body.max_tokens is None
+    prompt = ChatPrompt(chat_messages(body.messages))
+    _check_transfer(body.kv_transfer_params, params.n)
+    run = _Run(state, "chatcmpl", 1, params)
+    await run.begin(request, [prompt], params, body.kv_transfer_params, fill_max_tokens=fill)
     if body.stream:
         return _sse(run.chat_chunks(body), run)
-    (out,) = await run.collect()
+    outputs = await run.collect()
+    choices = []
+    for index, out in enumerate(outputs):
+        c = out.outputs[0]
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=c.text),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids if body.return_token_ids else None,
+            )
+        )
     return JSONResponse(
         ChatCompletionResponse(
             id=run.id,
             model=body.model,
-            choices=[
-                ChatChoice(
-                    index=0, message=AssistantMessage(content=out.text), finish_reason=out.finish_reason
-                )
-            ],
-            usage=usage(*_token_counts([out])),
-            kv_transfer_params=out.kv_transfer_params,
+            choices=choices,
+            usage=run.usage(outputs),
+            prompt_token_ids=outputs[0].prompt_token_ids if body.return_token_ids else None,
+            kv_transfer_params=outputs[0].kv_transfer_params,
         ).model_dump()
     )
 
 
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-    kwargs: dict[str, object] = {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "seed": body.seed,
-        "max_tokens": max_tokens,
-        "ignore_eos": body.ignore_eos,
-    }
-    if body.top_k is not None:
-        kwargs["top_k"] = body.top_k
-    if body.stop:
-        kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
-    try:
-        return SamplingParams(**kwargs)  # type: ignore[arg-type]
-    except ConfigError as exc:
-        raise APIError(400, str(exc), "invalid_parameter") from None
-
-
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
+def _check_transfer(kv_transfer_params: dict | None, num_requests: int) -> None:
+    if kv_transfer_params is not None and num_requests != 1:
         raise APIError(
-            400, "prompt is empty: give a string, token ids, or a list of either", "invalid_prompt", "prompt"
+            400,
+            f"kv_transfer_params goes with one prompt and n=1; this request makes {num_requests} "
+            "completions: send them one by one",
+            "invalid_parameter",
+            "kv_transfer_params",
         )
-    if all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
-
-
-def _token_counts(outputs: list[RequestOutput]) -> tuple[int, int]:
-    return sum(len(o.prompt_token_ids) for o in outputs), sum(len(o.token_ids) for o in outputs)
 
 
 class _Run:
-    """The engine requests behind one HTTP request (one per prompt) and their shared output queue."""
+    """The engine requests behind one HTTP request (``n`` per prompt; choice ``p * n + i`` is
+    prompt ``p``'s ``i``-th sample) and their shared output queue."""
 
-    def __init__(self, state: ServerState, prefix: str, count: int) -> None:
+    def __init__(self, state: ServerState, prefix: str, num_prompts: int, params: SamplingParams) -> None:
         self.state = state
         self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.request_ids = [f"{self.id}-{i}" for i in range(count)]
+        self.n = params.n
+        self.stops = params.stop
+        self.request_ids = [f"{self.id}-{i}" for i in range(num_prompts * self.n)]
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.finished: dict[int, RequestOutput] = {}
         self.first: Item | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
-    @classmethod
     async def begin(
-        cls,
-        state: ServerState,
-        prompts: list[str | list[int] | ChatPrompt],
+        self,
+        request: Request,
+        prompts: list[str | list[int]] | list[ChatPrompt],
         params: SamplingParams,
-        prefix: str,
         kv_transfer_params: dict | None = None,
-    ) -> _Run:
-        """Submit every prompt and wait for the first output, so a rejected prompt still gets a
-        plain error response rather than a stream."""
-        state.check_ready()
-        run = cls(state, prefix, len(prompts))
-        for i, prompt in enumerate(prompts):
-            state.loop.submit(run.request_ids[i], prompt, params, run.queue, i, kv_transfer_params)
+        *,
+        fill_max_tokens: bool = False,
+    ) -> None:
+        """Watch for the client going away, submit every sample of every prompt, and wait for the
+        first output, so a rejected prompt still gets a plain error response rather than a stream."""
+        self.state.check_ready()
+        self._watcher = asyncio.create_task(self._watch(request))
+        for p, prompt in enumerate(prompts):
+            for i in range(self.n):
+                index = p * self.n + i
+                self.state.loop.submit(
+                    self.request_ids[index],
+                    prompt,
+                    params.for_sample(i),
+                    self.queue,
+                    index,
+                    kv_transfer_params,
+                    fill_max_tokens=fill_max_tokens,
+                )
         try:
-            run.first = run._check(await run.queue.get())
+            self.first = self._check(await self.queue.get())
         except BaseException:
-            run.abort()
+            self.close()
             raise
-        return run
+
+    async def _watch(self, request: Request) -> None:
+        """Abort every unfinished engine request once the client disconnects.
+
+        NOTE: the body is read already, so the next ASGI message is the disconnect; a streaming
+        response cancels its generator too, but only when it next tries to send, and a plain
+        request would otherwise run to its end.
+        """
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.abort()
+        self.queue.put_nowait((-1, EngineFailure("the client disconnected", CLIENT_GONE)))
 
     def _check(self, item: Item) -> Item:
         index, out = item
         if isinstance(out, EngineFailure):
-            self.abort()
-            raise APIError(
-                out.status, out.message, "invalid_prompt" if out.status == 400 else "engine_unavailable"
-            )
+            self.close()
+            raise APIError(out.status, out.message, _CODES.get(out.status, "engine_unavailable"))
         if out.finished:
             self.finished[index] = out
         return item
@@ -194,62 +228,92 @@ class _Run:
         try:
             async for _ in self.items():
                 pass
-        except BaseException:
-            self.abort()
-            raise
+        finally:
+            self.close()
         return [self.finished[i] for i in range(len(self.request_ids))]
 
     def abort(self) -> None:
         self.state.loop.abort([r for i, r in enumerate(self.request_ids) if i not in self.finished])
 
+    def close(self) -> None:
+        """Abort what has not finished and stop watching the client."""
+        self.abort()
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    def usage(self, outputs: list[RequestOutput]) -> Usage:
+        """Each prompt's tokens once (not once per sample), every choice's generated tokens."""
+        prompt = sum(len(o.prompt_token_ids) for i, o in enumerate(outputs) if i % self.n == 0)
+        return usage(prompt, sum(len(o.token_ids) for o in outputs))
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.state.loop.engine.decode(out.prompt_token_ids)
+
     async def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[BaseModel]:
-        deltas = _Deltas(len(self.request_ids))
+        sent = [Sent() for _ in self.request_ids]
         async for index, out in self.items():
             assert not isinstance(out, EngineFailure)
-            text = deltas.next(index, out)
-            if text or out.finished:
-                choice = CompletionChoice(index=index, text=text, finish_reason=out.finish_reason)
-                yield CompletionResponse(id=self.id, model=body.model, choices=[choice])
+            s = sent[index]
+            first = s.num_tokens == 0 and not s.text
+            if first and body.echo:
+                s.prefix = self.prompt_text(out)
+                s.offset = len(s.prefix)
+            delta = s.advance(out, self.stops)
+            if delta is None:
+                continue
+            text, token_ids, entries = delta
+            logprobs = None
+            if entries is not None:
+                logprobs = completion_logprobs(token_ids, entries, body.logprobs or 0, s.offset)
+                s.offset += sum(len(t) for t in logprobs.tokens)
+            c = out.outputs[0]
+            choice = CompletionChoice(
+                index=index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_token_ids=out.prompt_token_ids if body.return_token_ids and first else None,
+                token_ids=token_ids if body.return_token_ids else None,
+            )
+            yield CompletionResponse(id=self.id, model=body.model, choices=[choice])
         if body.stream_options and body.stream_options.include_usage:
             outs = [self.finished[i] for i in range(len(self.request_ids))]
-            yield CompletionResponse(
-                id=self.id, model=body.model, choices=[], usage=usage(*_token_counts(outs))
-            )
+            yield CompletionResponse(id=self.id, model=body.model, choices=[], usage=self.usage(outs))
 
     async def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[BaseModel]:
-        def chunk(delta: DeltaMessage, reason: str | None = None) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(index=0, delta=delta, finish_reason=reason)
+        def chunk(index: int, delta: DeltaMessage, **fields: object) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(index=index, delta=delta, **fields)  # type: ignore[arg-type]
             return ChatCompletionChunk(id=self.id, model=body.model, choices=[choice])
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        deltas = _Deltas(1)
+        assert self.first is not None and not isinstance(self.first[1], EngineFailure)
+        prompt_ids = self.first[1].prompt_token_ids
+        for index in range(len(self.request_ids)):
+            first = chunk(index, DeltaMessage(role="assistant", content=""))
+            if body.return_token_ids and index == 0:
+                first.prompt_token_ids = prompt_ids
+            yield first
+        sent = [Sent() for _ in self.request_ids]
         async for index, out in self.items():
             assert not isinstance(out, EngineFailure)
-            text = deltas.next(index, out)
-            if text:
-                yield chunk(DeltaMessage(content=text))
-            if out.finished:
-                yield chunk(DeltaMessage(), out.finish_reason)
-        if body.stream_options and body.stream_options.include_usage:
-            yield ChatCompletionChunk(
-                id=self.id, model=body.model, choices=[], usage=usage(*_token_counts([self.finished[0]]))
+            delta = sent[index].advance(out, self.stops)
+            if delta is None:
+                continue
+            text, token_ids, entries = delta
+            c = out.outputs[0]
+            yield chunk(
+                index,
+                DeltaMessage(content=text or None),
+                logprobs=None
+                if entries is None
+                else chat_logprobs(token_ids, entries, body.top_logprobs or 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                token_ids=token_ids if body.return_token_ids else None,
             )
-
-
-class _Deltas:
-    """New text per choice since the last chunk."""
-
-    def __init__(self, count: int) -> None:
-        self.shown = [""] * count
-
-    def next(self, index: int, out: RequestOutput) -> str:
-        # A token may complete a multi-byte character only with the next one: hold back "\ufffd".
-        text = out.text if out.finished else out.text.rstrip("\ufffd")
-        shown = self.shown[index]
-        if len(text) <= len(shown) or not text.startswith(shown):
-            return ""
-        self.shown[index] = text
-        return text[len(shown) :]
+        if body.stream_options and body.stream_options.include_usage:
+            outs = [self.finished[i] for i in range(len(self.request_ids))]
+            yield ChatCompletionChunk(id=self.id, model=body.model, choices=[], usage=self.usage(outs))
 
 
 def _sse(chunks: AsyncIterator[BaseModel], run: _Run) -> StreamingResponse:
@@ -259,8 +323,8 @@ def _sse(chunks: AsyncIterator[BaseModel], run: _Run) -> StreamingResponse:
 async def _events(chunks: AsyncIterator[BaseModel], run: _Run) -> AsyncIterator[str]:
     """``data: {json}`` per chunk, then ``data: [DONE]``; a failure mid-stream is an error event.
 
-    NOTE: a client that disconnects cancels this generator (Starlette listens for the disconnect);
-    ``finally`` aborts the engine requests so their blocks are freed at once.
+    NOTE: ``finally`` aborts the engine requests when the generator is cancelled or closed (the
+    client went away) as well as when it ends.
     """
     try:
         async for chunk in chunks:
@@ -268,5 +332,6 @@ async def _events(chunks: AsyncIterator[BaseModel], run: _Run) -> AsyncIterator[
     except APIError as exc:
         yield f"data: {json.dumps(error_body(exc.status, exc.message, exc.code))}\n\n"
     finally:
-        run.abort()
+        with contextlib.suppress(Exception):
+            run.close()
     yield "data: [DONE]\n\n"

@@ -1,6 +1,7 @@
-"""OpenAI request and response bodies (the fields vLLM's server accepts that warmcap serves).
+"""OpenAI request and response bodies: the fields vLLM's server accepts that warmcap honours.
 
-Unknown request fields are ignored, as OpenAI clients send fields a server may not use.
+A request field warmcap does not know is refused with a 400 naming it (``serve/params.py``), unless
+it is null: an accepted parameter is always honoured, never dropped.
 """
 
 from __future__ import annotations
@@ -10,24 +11,44 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from warmcap import __version__
+
+#: what ``system_fingerprint`` says: the server and its version (vLLM sends one field for it too)
+SYSTEM_FINGERPRINT = f"warmcap-{__version__}"
+
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: extra fields are kept (``model_extra``) so the handler can refuse them by name.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
+    n: int = 1
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    #: vLLM's: each choice carries its ``token_ids`` and the prompt's ``prompt_token_ids``
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    #: an end-user id for the caller's own records (OpenAI's field); it does not change the answer
+    user: str | None = None
     #: P/D: ``{"do_remote_decode": true}`` to a prefill server, its answer to a decode server
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -35,18 +56,26 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     #: a string, a list of strings, token ids, or a list of token-id lists
     prompt: str | list[str] | list[int] | list[list[int]]
+    #: per generated token, the sampled token's and the ``logprobs`` most likely tokens' log-probabilities
+    logprobs: int | None = None
+    #: the prompt's text comes before the completion's in ``text``
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str
+    #: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined with newlines)
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class Usage(BaseModel):
@@ -55,11 +84,38 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    logprobs: None = None
+    #: the stop string or stop token id that ended the choice (None: EOS, length or still running)
+    stop_reason: str | int | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -67,6 +123,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: Usage | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -80,8 +137,10 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    logprobs: None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -89,8 +148,10 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -102,8 +163,10 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    logprobs: None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -111,8 +174,10 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

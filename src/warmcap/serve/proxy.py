@@ -147,7 +147,10 @@ def _relay(answer: httpx.Response) -> Response:
 
 
 def run_proxy(prefill_url: str, decode_url: str, *, host: str, port: int) -> None:
-    """Serve the proxy under uvicorn until SIGINT/SIGTERM."""
+    """Serve the proxy under uvicorn until SIGINT/SIGTERM (then exit 0, as ``warmup serve`` does)."""
     import uvicorn
 
-    uvicorn.run(build_proxy(prefill_url, decode_url), host=host, port=port, log_level="info")
+    from warmcap.serve.uvicorn_server import QuietExitServer
+
+    config = uvicorn.Config(build_proxy(prefill_url, decode_url), host=host, port=port, log_level="info")
+    QuietExitServer(config).run()

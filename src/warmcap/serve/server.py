@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -15,6 +14,8 @@ import uvicorn
 from warmcap.assembly import resolve_device
 from warmcap.errors import ConfigError
 from warmcap.serve.app import ServeOptions, build_app
+from warmcap.serve.engine_loop import StartFailure
+from warmcap.serve.uvicorn_server import QuietExitServer
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from warmcap.config import EngineConfig
 
 
-class _Server(uvicorn.Server):
+class _Server(QuietExitServer):
     """uvicorn, but a shutdown signal first ends in-flight requests (with an error) through the
     engine loop; plain uvicorn would wait for every stream to finish on its own."""
 
@@ -32,12 +33,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._app.state.warmcap.loop.shutdown("the server is shutting down (signal received)")
-        # NOTE: uvicorn's own handler records the signal and raises it again after shutdown, so the
-        # process would die of it; a handled signal here means a clean exit 0.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
-            self.should_exit = True
+        super().handle_exit(sig, frame)
 
 
 def serving_model_threads(device: str, requested: int | None) -> int | None:
@@ -65,16 +61,16 @@ def serving_model_threads(device: str, requested: int | None) -> int | None:
 
 def serve(
     config: EngineConfig, options: ServeOptions, *, host: str, port: int, model_threads: int | None = None
-) -> str | None:
-    """Serve until a signal (returns None) or a failed start-up (returns the reason).
+) -> StartFailure | None:
+    """Serve until a signal (returns None) or a failed start-up (returns why).
     ``model_threads``: see :func:`serving_model_threads`."""
     threads = serving_model_threads(config.model.device, model_threads)
     if threads is not None:
         torch.set_num_threads(threads)
-    failure: list[str] = []
+    failure: list[StartFailure] = []
     server: _Server | None = None
 
-    def on_failure(reason: str) -> None:
+    def on_failure(reason: StartFailure) -> None:
         failure.append(reason)
         if server is not None:
             server.should_exit = True
