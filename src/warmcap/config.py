@@ -17,7 +17,7 @@ SPEC_METHODS: tuple[str, ...] = tuple(METHODS)
 KV_ROLES: tuple[str, ...] = ("none", "producer", "consumer")
 MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "all", "align")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer")
 MAX_SPECULATIVE_TOKENS = 16
 
 KVRole = Literal["none", "producer", "consumer"]

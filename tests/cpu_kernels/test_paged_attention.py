@@ -3,6 +3,7 @@ backend), its build cache and fallbacks, and the real SmolLM2 through it against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -173,6 +174,29 @@ def test_steps_past_the_query_bound_keep_sdpa(kernel_calls: list[int]):
     q, k, v, cache, meta = small_step(0, [(5, MAX_QUERY_LEN), (20, 1)], num_kv_heads=1)
     KERNEL.forward(q, k, v, cache, meta, scale=0.125)
     assert calls == [1]
+
+
+def graph_shaped(meta, *, columns: int):
+    """``meta`` as a graph's static buffers give it (``graphs/static_inputs.py``): the block table
+    widened to ``columns`` (zero: the null block), ``max_seq_len`` the whole width, ``graph_bounds``."""
+    table = torch.zeros(meta.block_table.shape[0], columns, dtype=torch.int32)
+    table[:, : meta.block_table.shape[1]] = meta.block_table
+    return dataclasses.replace(
+        meta, block_table=table, max_seq_len=columns * meta.block_size, graph_bounds=True
+    )
+
+
+def test_graph_steps_read_pages_in_place_at_any_span(kernel_calls: list[int]):
+    """A graph step's metadata holds the static maxima (``max_seq_len = max_model_len``): verify
+    queries of 1 + k past the kernel's bound and a prefill chunk still go to the kernel, which
+    reads each row's own length, with the eager step's results; the cache past each row is NaN."""
+    rows = [(37, MAX_QUERY_LEN + 1), (20, 12), (0, 3), (60, 1)]
+    q, k, v, cache, meta = small_step(7, rows, pad_rows=1, pad_tokens=2, window=None)
+    want = TORCH.forward(q, k, v, cache.clone(), meta, scale=0.125)
+    got = KERNEL.forward(q, k, v, cache.clone(), graph_shaped(meta, columns=512), scale=0.125)
+    assert kernel_calls == [1]
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_fake_tensors_never_reach_the_kernel(kernel_calls: list[int]):

@@ -30,6 +30,11 @@ class AttentionMetadata:
       outputs are zero.
     - ``block_table`` int32 [R, max_blocks]: padded rows are all zero (the null block).
     - ``slot_mapping`` int64 [T]: ``block * block_size + offset`` or PAD (-1) for padded tokens.
+    - ``graph_bounds``: ``max_query_len`` / ``max_seq_len`` are a graph's static maxima (the full
+      block-table width, ``max_model_len``), not this step's: one recorded graph serves every batch
+      dispatched to it. A backend must then take lengths from the tensors (read the pages in place
+      below each row's ``seq_len``) rather than size its work by the host maxima, or every step pays
+      for ``max_model_len`` (``graphs/static_inputs.py`` sets it).
     """
 
     num_tokens: int
@@ -44,6 +49,7 @@ class AttentionMetadata:
     # Host copies, so backends can plan without a device sync.
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    graph_bounds: bool = False
 
 
 @dataclass(slots=True)

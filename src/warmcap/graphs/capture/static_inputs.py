@@ -73,10 +73,12 @@ def spread_uniform_padding(buffers: StepBuffers, spec: GraphSpec) -> None:
 def graph_metadata(buffers: StepBuffers, spec: GraphSpec, max_model_len: int) -> dict[str, AttentionMetadata]:
     """Per-group metadata over the static buffers with the host sizes fixed for ``spec``: full block
     table width, ``max_query_len`` of the graph and ``max_seq_len = max_model_len``, so one recorded
-    graph serves every batch that dispatches to it."""
+    graph serves every batch that dispatches to it; ``graph_bounds`` tells attention those are bounds,
+    so it reads each row's length from the ``seq_lens`` tensor of the buffers."""
     metas = buffers.attn_metadata()
     return {
-        g: replace(m, max_query_len=spec.max_query_len, max_seq_len=max_model_len) for g, m in metas.items()
+        g: replace(m, max_query_len=spec.max_query_len, max_seq_len=max_model_len, graph_bounds=True)
+        for g, m in metas.items()
     }
 
 

@@ -1,14 +1,18 @@
-"""FlashInfer paged attention (CUDA only; imported lazily by the selector).
+"""FlashInfer paged attention (CUDA only; imported lazily by the selector, never on a CPU run).
 
-One ``BatchPrefillWithPagedKVCacheWrapper`` per (metadata, layer shape, window) serves mixed
-prefill / decode / spec-verify rows. K/V are written by :func:`write_kv` (same sink rule as the torch
-backend); the cache halves ``kv_cache[0]`` / ``kv_cache[1]`` are passed as an NHD ``(k, v)`` tuple.
+Pure decode steps (``max_query_len`` 1, known from host sizes) go through a
+``BatchDecodeWithPagedKVCacheWrapper``; every other step (mixed prefill / decode / spec-verify rows,
+draft prefill) through a ``BatchPrefillWithPagedKVCacheWrapper``: one wrapper per (metadata, layer
+shape, window). K/V are written by the Triton write kernel (:func:`.triton_paged.write_kv_triton`,
+one launch; PAD slots write nothing); the cache halves ``kv_cache[0]`` / ``kv_cache[1]`` are passed as
+an NHD ``(k, v)`` tuple.
 
 Graphs: planning needs host syncs, so it cannot happen inside a capture. The runner's eager pass over
 a shape plans its wrappers; :meth:`FlashInferAttention.prepare_for_capture` (same metadata objects)
-remakes them with ``use_cuda_graph=True`` over fixed index buffers and plans them; wrappers created
-afterwards are graph-ready from the start. :meth:`prepare_for_replay` re-plans them from the
-refilled static metadata before each replay.
+remakes them in CUDA-graph mode (``use_cuda_graph=True`` over fixed index buffers sized from the
+graph's rows and block-table width) and plans them; wrappers created afterwards are graph-ready from
+the start. :meth:`prepare_for_replay` re-plans them from the refilled static metadata's host copies
+(``query_start_loc_cpu`` / ``seq_lens_cpu``) before each replay, outside the graph.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
 from warmcap.core.reservation import blocks_covering
 from warmcap.errors import ConfigError
-from warmcap.runner_v2.attention.torch_paged import MetaStamp, token_rows, write_kv
+from warmcap.runner_v2.attention.torch_paged import MetaStamp, token_rows
+from warmcap.runner_v2.attention.triton_paged import write_kv_triton
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -45,10 +50,19 @@ class _Planned:
     stamp: MetaStamp | None
     token_valid: torch.Tensor
     shape: tuple[int, int, int, float, int, torch.dtype, torch.dtype]
+    #: a decode wrapper (one query per row) rather than a prefill one
+    decode: bool = False
+
+
+def is_decode(meta: AttentionMetadata) -> bool:
+    """Whether a step takes the decode wrapper: one query per row and one row per token, from
+    host-static sizes (a uniform decode graph's ``max_query_len`` is 1; a mixed graph's is its token
+    count)."""
+    return meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs
 
 
 class FlashInferAttention(AttentionBackend):
-    """Paged attention through FlashInfer's batch prefill wrapper (NHD layout)."""
+    """Paged attention through FlashInfer's batch decode and prefill wrappers (NHD layout)."""
 
     name = "flashinfer"
     supports_full_graph = True
@@ -79,14 +93,30 @@ class FlashInferAttention(AttentionBackend):
         last = torch.where(seq > 0, seq - (pages - 1) * bs, 0).to(torch.int32)
         return qsl, kv_indptr, indices, last
 
-    def _new_wrapper(self, meta: AttentionMetadata) -> Any:
-        if not self._graph_mode:
-            return self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+    def _new_wrapper(self, meta: AttentionMetadata, *, decode: bool, group: int) -> Any:
         r, width = meta.num_reqs, meta.block_table.shape[1]
 
         def buf(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
 
+        if decode:
+            # Tensor cores pay for wide GQA groups (several query heads read each KV head).
+            cores = group >= 4
+            if not self._graph_mode:
+                return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=cores
+                )
+            return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=cores,
+                paged_kv_indptr_buffer=buf(r + 1),
+                paged_kv_indices_buffer=buf(r * width),
+                paged_kv_last_page_len_buffer=buf(r),
+            )
+        if not self._graph_mode:
+            return self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         return self._fi.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace,
             "NHD",
@@ -100,22 +130,39 @@ class FlashInferAttention(AttentionBackend):
     def _plan(self, planned: _Planned, meta: AttentionMetadata) -> None:
         hq, hkv, d, scale, window, q_dtype, kv_dtype = planned.shape
         qo, kv_indptr, indices, last = self._page_table(meta)
-        planned.wrapper.plan(
-            qo.to(self.device),
-            kv_indptr.to(self.device),
-            indices.to(self.device),
-            last.to(self.device),
-            hq,
-            hkv,
-            d,
-            meta.block_size,
-            causal=True,
-            sm_scale=scale,
-            # FlashInfer's window_left counts the keys left of the query: our window minus one.
-            window_left=window - 1 if window else -1,
-            q_data_type=q_dtype,
-            kv_data_type=kv_dtype,
-        )
+        # FlashInfer's window_left counts the keys left of the query: our window minus one.
+        window_left = window - 1 if window else -1
+        if planned.decode:
+            planned.wrapper.plan(
+                kv_indptr.to(self.device),
+                indices.to(self.device),
+                last.to(self.device),
+                hq,
+                hkv,
+                d,
+                meta.block_size,
+                pos_encoding_mode="NONE",
+                window_left=window_left,
+                q_data_type=q_dtype,
+                kv_data_type=kv_dtype,
+                sm_scale=scale,
+            )
+        else:
+            planned.wrapper.plan(
+                qo.to(self.device),
+                kv_indptr.to(self.device),
+                indices.to(self.device),
+                last.to(self.device),
+                hq,
+                hkv,
+                d,
+                meta.block_size,
+                causal=True,
+                sm_scale=scale,
+                window_left=window_left,
+                q_data_type=q_dtype,
+                kv_data_type=kv_dtype,
+            )
         planned.meta, planned.stamp = meta, MetaStamp.of(meta)
         planned.token_valid = token_rows(meta, meta.num_tokens)[2][:, None, None]
 
@@ -126,7 +173,8 @@ class FlashInferAttention(AttentionBackend):
         current = {id(m) for m in metas.values()}
         for planned in self._planned.values():
             if id(planned.meta) in current:
-                planned.wrapper = self._new_wrapper(planned.meta)
+                group = planned.shape[0] // planned.shape[1]
+                planned.wrapper = self._new_wrapper(planned.meta, decode=planned.decode, group=group)
                 self._plan(planned, planned.meta)
 
     def prepare_for_replay(self, metas: dict[str, AttentionMetadata]) -> None:
@@ -146,7 +194,7 @@ class FlashInferAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv_triton(kv_cache, k, v, meta.slot_mapping)
         hq, d, hkv = q.shape[1], q.shape[2], kv_cache.shape[3]
         key = (id(meta), sliding_window, hq, hkv, d)
         planned = self._planned.get(key)
@@ -162,7 +210,9 @@ class FlashInferAttention(AttentionBackend):
                     "FlashInfer must be planned before capture: run this shape eagerly once first"
                 )
             shape = (hq, hkv, d, scale, sliding_window or 0, q.dtype, kv_cache.dtype)
-            planned = _Planned(self._new_wrapper(meta), meta, None, torch.empty(0), shape)
+            decode = is_decode(meta)
+            wrapper = self._new_wrapper(meta, decode=decode, group=hq // hkv)
+            planned = _Planned(wrapper, meta, None, torch.empty(0), shape, decode)
             self._plan(planned, meta)
             self._planned[key] = planned
         out = planned.wrapper.run(q, (kv_cache[0], kv_cache[1]))

@@ -1,5 +1,10 @@
-"""Pick the runner's backends for a device: FlashInfer attention on CUDA when importable, else pure
-torch; the torch MLA, lightning-indexer and Mamba2 backends everywhere."""
+"""Pick the runner's backends for a device. Attention on CUDA: FlashInfer when importable, else the
+Triton paged kernel (:mod:`.triton_paged`); on CPU (and for batch-invariant runs) pure torch, which
+stays the reference everywhere. The torch MLA, lightning-indexer and Mamba2 backends everywhere.
+
+NOTE: the CUDA backends are imported only when chosen: a CPU run never imports FlashInfer, and
+imports Triton's kernels only when asked for them by name.
+"""
 
 from __future__ import annotations
 
@@ -27,20 +32,28 @@ def flashinfer_available() -> bool:
 def select_backend(
     device: str | torch.device, *, name: str = "auto", batch_invariant: bool = False
 ) -> AttentionBackend:
-    """The attention backend ``name`` (``auto``: FlashInfer on CUDA when available, torch otherwise);
-    ``batch_invariant``: the torch backend keeps gather + SDPA on every step (no CPU kernel)."""
+    """The attention backend ``name``. ``auto``: on CUDA FlashInfer when available, else Triton; torch
+    on CPU, and everywhere with ``batch_invariant`` (FlashInfer and Triton split a row's keys by the
+    batch's size, so a row's numbers would depend on its neighbours). ``batch_invariant``: the torch
+    backend keeps gather + SDPA on every step (no CPU kernel)."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention backend {name!r} is unknown; use one of {', '.join(BACKEND_NAMES)}")
     on_cuda = torch.device(device).type == "cuda"
-    if name == "flashinfer" or (name == "auto" and on_cuda and flashinfer_available()):
-        if not on_cuda or not torch.cuda.is_available():
-            raise ConfigError(
-                f"the flashinfer attention backend needs a CUDA device; got device {str(device)!r} "
-                f"(CUDA available: {torch.cuda.is_available()}); use backend 'torch' on CPU"
-            )
+    if name == "auto" and on_cuda and not batch_invariant:
+        name = "flashinfer" if flashinfer_available() else "triton"
+    if name in ("flashinfer", "triton") and (not on_cuda or not torch.cuda.is_available()):
+        raise ConfigError(
+            f"the {name} attention backend needs a CUDA device; got device {str(device)!r} "
+            f"(CUDA available: {torch.cuda.is_available()}); use backend 'torch' on CPU"
+        )
+    if name == "flashinfer":
         from warmcap.runner_v2.attention.flashinfer import FlashInferAttention
 
         return FlashInferAttention(torch.device(device))
+    if name == "triton":
+        from warmcap.runner_v2.attention.triton_paged import TritonPagedAttention
+
+        return TritonPagedAttention()
     return TorchPagedAttention(device, batch_invariant=batch_invariant)
 
 

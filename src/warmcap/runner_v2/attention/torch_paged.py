@@ -100,7 +100,14 @@ class MetaStamp:
 
     @staticmethod
     def _scalars(meta: AttentionMetadata) -> tuple[int, ...]:
-        return (meta.num_tokens, meta.num_reqs, meta.max_query_len, meta.max_seq_len, meta.block_size)
+        return (
+            meta.num_tokens,
+            meta.num_reqs,
+            meta.max_query_len,
+            meta.max_seq_len,
+            meta.block_size,
+            meta.graph_bounds,
+        )
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> MetaStamp:
@@ -252,7 +259,10 @@ class TorchPagedAttention(AttentionBackend):
     (``seq_len`` 0) give zeros and never influence real rows. On a CPU float32 cache, steps of at
     most ``MAX_QUERY_LEN`` queries per row go to the compiled kernel of
     :mod:`warmcap.cpu_kernels.paged_attention` instead, which reads the pages
-    in place (same results; ``WARMCAP_CPU_ATTENTION`` chooses).
+    in place (same results; ``WARMCAP_CPU_ATTENTION`` chooses). So do graph steps
+    (``meta.graph_bounds``) at any query span: their ``max_seq_len`` is ``max_model_len``, and the
+    gather would read and score every column up to it, where the kernel reads each row's own
+    ``seq_len`` from the static buffers (verify queries of ``1 + k``, draft passes, mixed prefill).
     """
 
     name = "torch"
@@ -317,7 +327,7 @@ class TorchPagedAttention(AttentionBackend):
         plan = self._plan_for(meta, t)
         slots = plan.write_slots(kv_cache, t)
         r, qmax = meta.num_reqs, plan.max_query_len
-        if qmax <= MAX_QUERY_LEN and _kernel_can_read(q, kv_cache):
+        if (qmax <= MAX_QUERY_LEN or meta.graph_bounds) and _kernel_can_read(q, kv_cache):
             kernel = self._cpu_kernel()
             if kernel is not None:
                 # The kernel writes this step's K/V itself when it can (one call instead of three).
