@@ -1,337 +1,53 @@
 """GPU validation of warmcap's graph path: run on a CUDA machine, record the results with a date.
 
-For tiny-llama (plain, ngram, draft_model, eagle3, dflash), smollm2-135m (plain, draft_model; and
-draft_model with batch-invariant GEMMs), tiny-deepseek-v3 (plain, mtp), tiny-deepseek-v32 and
-tiny-hybrid (ngram, draft_model@self), on the torch attention backend and on FlashInfer when
-importable:
-- build the engine, capture every target graph and every drafter graph (draft_prefill,
-  draft_decode) with the ``cuda`` backend, verify each (I4);
-- time graph replay vs the eager forward on the same static inputs (ratio) for target decode,
-  mixed, draft_decode and draft_prefill graphs; per graph capture time and memory (free-memory
-  delta);
-- greedy generation before and after capture must be token-identical, target graphs must be
-  replayed, and drafter graphs too when the drafter has any;
-then compare the Triton slot-mapping kernel, compiled for real, with the torch reference.
-With two or more GPUs, tensor parallelism: ``warmup run`` at TP=2 over NCCL (both ranks audited and
-every graph verified on both) and greedy TP=2 output against TP=1; skipped, with the reason
-printed, on fewer than two GPUs.
+One call: ``python scripts/gpu_check.py [CHECK ...]`` runs every check of
+:mod:`warmcap.device_check` (engines, slot_mapping, tensor_parallel, audit_cost; the checks other
+parts register too), or only the named ones. The checks are importable code that CI also runs on
+CPU (``tests/test_device_check.py``), so this script is only the GPU's settings around them.
 
 Prints a summary; writes ``gpu_check.json`` into ``$OUT`` when that is set. Exit code 0 when every
-check passed, 1 when any failed, 2 when there is no CUDA device.
+check passed, 1 when any failed, 2 when there is no CUDA device. Budget: at most 8 minutes on one
+H200 (docs/gpu-validation.md).
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import os
 import sys
-import time
-import traceback
-from pathlib import Path
-from typing import Any
 
 import torch
 
-ENGINES: list[tuple[str, str, str | None]] = [
-    # (model preset, dtype, speculative spec)
-    ("tiny-llama", "float32", None),
-    ("tiny-llama", "float32", "ngram:2"),
-    ("tiny-llama", "float32", "draft_model:2"),
-    ("tiny-llama", "float32", "eagle3:2"),
-    ("tiny-llama", "float32", "dflash:2"),
-    ("smollm2-135m", "bfloat16", None),
-    ("smollm2-135m", "bfloat16", "draft_model:2"),
-    # MLA + MoE, sparse MLA, Mamba hybrid: graph-safe on CPU's fake-tensor check (static expert
-    # loop, per-batch MLA path, batched uniform Mamba path); the cuda plan leaves the hybrid's
-    # ragged passes (mixed, Mamba draft prefill) eager. Any failure is reported per engine.
-    ("tiny-deepseek-v3", "float32", None),
-    ("tiny-deepseek-v3", "float32", "mtp:2"),
-    ("tiny-deepseek-v32", "float32", None),
-    ("tiny-hybrid", "float32", "ngram:2"),
-    ("tiny-hybrid", "float32", "draft_model:2@self"),
-]
-#: engines run with fixed-shape GEMM tiles (ModelConfig.batch_invariant): real rows of every graph
-#: should then match the unpadded eager batch far tighter than the default GPU tolerance
-BATCH_INVARIANT_ENGINES: list[tuple[str, str, str | None]] = [("smollm2-135m", "float32", "draft_model:2")]
-#: Mamba state caching mode for the hybrid preset (none, all or align).
-MAMBA_MODE = os.environ.get("WARMCAP_MAMBA_MODE", "none")
-PROMPTS = ["The capital of France is", "Count: one, two, three,", "def add(a, b):", "Once upon a time"]
-TIMING_ITERS = 20
 
-
-def _timed(fn: Any, iters: int) -> float:
-    """Mean seconds per call after one warm call, synchronised."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
-
-
-def _replay_vs_eager(capturer: Any, graphs: list[Any]) -> list[dict[str, Any]]:
-    """Replay and eager forward timings on the same (padding-only) static inputs: the largest and
-    smallest graph of each phase (decode, mixed, draft_decode, draft_prefill)."""
-    out = []
-    by_phase: dict[str, list[Any]] = {}
-    for g in graphs:
-        by_phase.setdefault(g.spec.phase, []).append(g)  # largest first within a phase
-    picks = {id(g): g for gs in by_phase.values() for g in (gs[:1] + gs[-1:])}.values()
-    with torch.inference_mode():
-        for g in picks:
-            capturer.load(g.spec)
-            replay = _timed(g.replay_fn, TIMING_ITERS)
-            eager = _timed(lambda g=g: capturer.eager(g.spec, g.metas), TIMING_ITERS)
-            out.append(
-                {
-                    "graph": g.spec.label,
-                    "phase": g.spec.phase,
-                    "replay_ms": replay * 1e3,
-                    "eager_ms": eager * 1e3,
-                    "speedup": eager / replay if replay > 0 else None,
-                }
-            )
-    return out
-
-
-def check_engine(
-    model: str, dtype: str, spec: str | None, attn: str, *, batch_invariant: bool = False
-) -> dict[str, Any]:
-    from rich.console import Console
-
-    from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-    from warmcap.engine import LLMEngine
-    from warmcap.graphs.render import render
-    from warmcap.graphs.report import SpecInfo
-    from warmcap.graphs.startup import capture_graphs
-    from warmcap.sampling_params import SamplingParams
-
-    config = EngineConfig(
-        model=ModelConfig(
-            model=model, dtype=dtype, device="cuda", batch_invariant=batch_invariant, attention_backend=attn
-        ),
-        cache=CacheConfig(block_size=16, num_blocks=1024, mamba_cache_mode=MAMBA_MODE),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512),
-        speculative=SpeculativeConfig.parse(spec),
-    )
-    t0 = time.perf_counter()
-    engine = LLMEngine(config, startup_hooks=[])
-    load_s = time.perf_counter() - t0
-    runner = engine.runner
-    params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in PROMPTS]
-    before = [o.token_ids for o in engine.generate(PROMPTS, params)]
-
-    startup = capture_graphs(runner, engine.kv_cache_manager, backend="cuda")
-    timings = _replay_vs_eager(startup.capturer, startup.result.graphs)
-
-    after = [o.token_ids for o in engine.generate(PROMPTS, params)]
-    replays = sum(startup.graph_runner.replays.values())
-    draft_replays = sum(startup.graph_runner.draft_replays.values())
-    has_draft_graphs = any(g.spec.subject == "drafter" for g in startup.result.graphs)
-    k = config.num_speculative_tokens
-    report = startup.report(
-        model=model,
-        device=torch.cuda.get_device_name(),
-        spec=SpecInfo(config.speculative.method if config.speculative else None, k),
-        timings={"load": load_s},
-    )
-    render(report, Console())
-    notes = []
-    if replays == 0:
-        notes.append("generation did not replay any target graph")
-    if has_draft_graphs and draft_replays == 0:
-        notes.append("generation did not replay any drafter graph")
-    ok = (
-        report.totals.all_verified
-        and before == after
-        and replays > 0
-        and (draft_replays > 0 or not has_draft_graphs)
-    )
-    return {
-        "model": model,
-        "dtype": dtype,
-        "spec": spec,
-        "attention": attn,
-        "batch_invariant": batch_invariant,
-        "ok": ok,
-        "real_rows_max_abs_diff": max(
-            (g.real_rows_max_abs_diff for g in report.graphs if g.real_rows_max_abs_diff is not None),
-            default=None,
-        ),
-        "generation_identical": before == after,
-        "graph_replays_during_generation": replays,
-        "draft_graph_replays_during_generation": draft_replays,
-        "replay_vs_eager": timings,
-        "report": report.to_dict(),
-        "notes": notes,
-    }
-
-
-def check_slot_mapping() -> dict[str, Any]:
-    from warmcap.runner_v2.slot_mapping import compute_slot_mapping
-    from warmcap.runner_v2.triton_slot_mapping import triton_slot_mapping
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    reqs, width, bs, num_tokens = 64, 128, 16, 4096
-    table = torch.randint(1, 10_000, (reqs, width), dtype=torch.int32, device="cuda", generator=gen)
-    lens = torch.full((reqs,), num_tokens // reqs, dtype=torch.int32, device="cuda")
-    qsl = torch.zeros(reqs + 1, dtype=torch.int32, device="cuda")
-    qsl[1:] = torch.cumsum(lens, 0)
-    starts = torch.randint(0, width * bs - num_tokens // reqs, (reqs,), device="cuda", generator=gen)
-    positions = (
-        starts.repeat_interleave(lens.long()) + torch.arange(num_tokens, device="cuda") % lens[0]
-    ).long()
-    ref = torch.empty(num_tokens + 128, dtype=torch.int64, device="cuda")
-    got = torch.empty_like(ref)
-    torch_s = _timed(lambda: compute_slot_mapping(table, qsl, positions, bs, ref), 50)
-    triton_s = _timed(lambda: triton_slot_mapping(table, qsl, positions, bs, got), 50)
-    equal = bool(torch.equal(ref, got))
-    return {
-        "ok": equal,
-        "equal": equal,
-        "torch_us": torch_s * 1e6,
-        "triton_us": triton_s * 1e6,
-        "tokens": num_tokens,
-    }
-
-
-#: the TP=2 check: (model preset, dtype, speculative spec)
-TP_ENGINE: tuple[str, str, str | None] = ("smollm2-135m", "float32", "draft_model:2")
-
-
-def check_tensor_parallel() -> dict[str, Any]:
-    """TP=2 over NCCL, one GPU per rank: start-up report rows for both ranks, greedy TP=2 == TP=1."""
-    count = torch.cuda.device_count()
-    if count < 2:
-        reason = f"{count} CUDA device visible; tensor parallelism at TP=2 needs 2"
-        print(f"tensor parallel: skipped ({reason})")
-        return {"ok": True, "skipped": reason}
-    from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-    from warmcap.sampling_params import SamplingParams
-    from warmcap.startup import run_startup
-
-    model, dtype, spec = TP_ENGINE
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-
-    def config(tp: int) -> EngineConfig:
-        return EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device="cuda"),
-            cache=CacheConfig(block_size=16, num_blocks=1024),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512),
-            speculative=SpeculativeConfig.parse(spec),
-            tensor_parallel_size=tp,
-        )
-
-    t0 = time.perf_counter()
-    run = run_startup(config(2), audit=True)
-    startup_s = time.perf_counter() - t0
-    try:
-        two = [o.outputs[0].token_ids for o in run.engine.generate(PROMPTS, [params] * len(PROMPTS))]
-    finally:
-        run.engine.shutdown()
-    one_engine = run_startup(config(1), audit=True).engine
-    one = [o.outputs[0].token_ids for o in one_engine.generate(PROMPTS, [params] * len(PROMPTS))]
-    ranks = [
-        {
-            "rank": r.rank,
-            "violations": r.warmup_audit.violations,
-            "verified": f"{r.graphs_verified}/{r.graphs}",
-        }
-        for r in run.report.ranks
-    ]
-    ranks_ok = len(ranks) == 2 and all(r.ok for r in run.report.ranks)
-    same = sum(a == b for a, b in zip(one, two, strict=True))
-    print(f"tensor parallel: ranks {ranks}, greedy TP=2 == TP=1 for {same}/{len(PROMPTS)} prompts")
-    return {
-        "ok": ranks_ok and same == len(PROMPTS),
-        "model": model,
-        "spec": spec,
-        "startup_s": startup_s,
-        "ranks": ranks,
-        "greedy_identical": same,
-        "prompts": len(PROMPTS),
-    }
-
-
-def main() -> int:
+def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print(
             "gpu_check: CUDA is not available here (torch.cuda.is_available() is False); "
             "run this script on a CUDA machine. Nothing was checked."
         )
         return 2
+    from warmcap.device_check import CHECKS, CheckContext, out_path, run_checks, summary_lines
     from warmcap.runner_v2.attention.selector import flashinfer_available
 
-    attns = ["torch", *(["flashinfer"] if flashinfer_available() else [])]
-    results: dict[str, Any] = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "flashinfer": "flashinfer" in attns,
-        "engines": [],
-    }
-    runs = [(*e, False) for e in ENGINES] + [(*e, True) for e in BATCH_INVARIANT_ENGINES]
-    for model, dtype, spec, invariant in runs:
-        for attn in attns:
-            name = f"{model} {dtype} spec={spec} attention={attn} batch_invariant={invariant}"
-            print(f"\n=== {name}", flush=True)
-            try:
-                results["engines"].append(check_engine(model, dtype, spec, attn, batch_invariant=invariant))
-            except Exception as exc:
-                traceback.print_exc()
-                results["engines"].append(
-                    {"model": model, "spec": spec, "attention": attn, "ok": False, "error": repr(exc)}
-                )
-            torch.cuda.empty_cache()
-    try:
-        results["slot_mapping"] = check_slot_mapping()
-    except Exception as exc:
-        traceback.print_exc()
-        results["slot_mapping"] = {"ok": False, "error": repr(exc)}
-
-    print("\n=== tensor parallel", flush=True)
-    try:
-        results["tensor_parallel"] = check_tensor_parallel()
-    except Exception as exc:
-        traceback.print_exc()
-        results["tensor_parallel"] = {"ok": False, "error": repr(exc)}
-
+    unknown = [a for a in argv if a not in CHECKS]
+    if unknown:
+        print(f"gpu_check: unknown check(s) {unknown}; known: {', '.join(CHECKS)}")
+        return 2
+    ctx = CheckContext(
+        device=torch.device("cuda"),
+        attentions=["torch", *(["flashinfer"] if flashinfer_available() else [])],
+        mamba_cache_mode=os.environ.get("WARMCAP_MAMBA_MODE", "none"),
+        log=lambda line: print(line, flush=True),
+        render_reports=True,
+    )
+    results = run_checks(ctx, argv or None)
     print("\n=== summary")
-    for e in results["engines"]:
-        line = f"{'PASS' if e['ok'] else 'FAIL'}  {e['model']} spec={e['spec']} attention={e['attention']}"
-        if "error" in e:
-            line += f"  error: {e['error']}"
-        else:
-            graphs = e["report"]["totals"]
-            line += (
-                f"  graphs={graphs['count']} verified={graphs['all_verified']} capture={graphs['seconds']:.2f}s "
-                f"memory={graphs['bytes'] / 2**20:.1f}MiB generation_identical={e['generation_identical']} "
-                f"replays={e['graph_replays_during_generation']} "
-                f"draft_replays={e['draft_graph_replays_during_generation']} "
-                f"real_rows_max_diff={e['real_rows_max_abs_diff']} batch_invariant={e['batch_invariant']}"
-            )
-            for t in e["replay_vs_eager"]:
-                line += (
-                    f"\n      {t['graph']}: replay {t['replay_ms']:.3f} ms vs eager {t['eager_ms']:.3f} ms"
-                )
-                line += f" (x{t['speedup']:.1f})" if t["speedup"] else ""
+    for line in summary_lines(results):
         print(line)
-    sm = results["slot_mapping"]
-    print(f"{'PASS' if sm['ok'] else 'FAIL'}  triton slot mapping vs torch: {json.dumps(sm)}")
-    tp = results["tensor_parallel"]
-    print(f"{'PASS' if tp['ok'] else 'FAIL'}  tensor parallel TP=2: {json.dumps(tp)}")
-
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        path = Path(out_dir) / "gpu_check.json"
-        path.write_text(json.dumps(results, indent=2))
+    path = out_path(results)
+    if path:
         print(f"wrote {path}")
-    all_ok = all(e["ok"] for e in results["engines"]) and sm["ok"] and tp["ok"]
-    return 0 if all_ok else 1
+    return 0 if results["ok"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
