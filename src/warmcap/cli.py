@@ -107,6 +107,10 @@ KV_TRANSFER_HELP = (
     "(roles: kv_producer, kv_consumer, kv_both; sets --kv-role)."
 )
 MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
+AUDIT_HELP = (
+    "Audit every KV write warmup makes (default: on, on every device); --no-audit skips it and the "
+    "report says 'audit off'."
+)
 AUDIT_SERVING_HELP = (
     "Audit the KV writes of every serving step, as warmup is audited; a step that writes outside its "
     "blocks fails with the request, group, position and slot (slower: a debugging and CI switch)."
@@ -334,6 +338,7 @@ def generate(
         "float32", help="float32, bfloat16, float16 or auto (the checkpoint's dtype on CUDA, float32 on CPU)."
     ),
     batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
+    audit: bool = typer.Option(True, "--audit/--no-audit", help=AUDIT_HELP),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
     tensor_parallel_size: int = _tp_option(),
     quiet: bool = _quiet_option(),
@@ -378,6 +383,7 @@ def generate(
             enforce_eager=enforce_eager,
             dtype=dtype,
             batch_invariant=batch_invariant,
+            audit=audit,
             audit_serving=audit_serving,
             tensor_parallel_size=tensor_parallel_size,
         )
@@ -464,9 +470,7 @@ def run(
     backend: str = typer.Option(
         None, help="Graph backend: cuda, static or compile (default: cuda on a GPU, else static)."
     ),
-    audit: bool = typer.Option(
-        None, "--audit/--no-audit", help="Audit every KV write (default: on for CPU, off for CUDA)."
-    ),
+    audit: bool = typer.Option(True, "--audit/--no-audit", help=AUDIT_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
     out: str = typer.Option(None, "--out", "-o", help="Also write the JSON report to this file."),
     strict: bool = typer.Option(False, help="Exit non-zero when any graph fails verification."),
@@ -659,6 +663,7 @@ def serve(
     enforce_eager: bool = typer.Option(
         False, "--enforce-eager", help="Capture no graphs: every step runs eagerly (start-up is faster)."
     ),
+    audit: bool = typer.Option(True, "--audit/--no-audit", help=AUDIT_HELP),
     audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
     tensor_parallel_size: int = _tp_option(),
     poison_free_kv: bool = typer.Option(
@@ -706,6 +711,7 @@ def serve(
         api_key=api_key,
         backend=backend,
         capture_sizes=sizes,
+        audit=audit,
         audit_serving=audit_serving,
         poison_free_kv=poison_free_kv,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from warmcap.config import (
@@ -14,12 +15,13 @@ from warmcap.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from warmcap.engine import LLMEngine, resolve_device
+from warmcap.engine import DEFAULT_STARTUP_HOOKS, LLMEngine, resolve_device
 from warmcap.errors import ConfigError
 from warmcap.models.presets import resolve_model_path
 from warmcap.outputs import RequestOutput
 from warmcap.prompts import PromptType, split_prompt
 from warmcap.sampling_params import SamplingParams
+from warmcap.warmup.hook import warmup_hook
 
 _KWARG_TARGETS: dict[str, tuple[str, str]] = {
     "dtype": ("model", "dtype"),
@@ -113,13 +115,21 @@ class LLM:
     worker processes; :meth:`shutdown` stops them.
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, audit_serving: bool = False, **kwargs: Any) -> None:
-        """``audit_serving=True`` audits the KV writes of every step (see :class:`LLMEngine`).
+    def __init__(
+        self, model: str = "smollm2-135m", *, audit: bool = True, audit_serving: bool = False, **kwargs: Any
+    ) -> None:
+        """``audit=False`` runs warmup without its KV-write audit (on by default on every device);
+        ``audit_serving=True`` audits the KV writes of every step (see :class:`LLMEngine`).
 
         Raises :class:`~warmcap.warmup.audit.AuditViolationError` when the start-up audit finds a
         stray KV write: an engine whose cache may be corrupted is never handed out.
         """
-        self.engine = LLMEngine(build_config(model, **kwargs), audit_serving=audit_serving)
+        hooks = None
+        if not audit:
+            hooks = [partial(h, audit=False) if h is warmup_hook else h for h in DEFAULT_STARTUP_HOOKS]
+        self.engine = LLMEngine(
+            build_config(model, **kwargs), startup_hooks=hooks, audit_serving=audit_serving
+        )
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (``tensor_parallel_size > 1``); idempotent.

@@ -39,6 +39,9 @@ class SpecMethod:
     reads_hidden_states: bool
     #: the target layers fused when a head names none; None: the head reads the final state only
     default_aux_layers: Callable[[int], tuple[int, ...]] | None = None
+    #: proposes exactly k drafts for every decoding request (False: any number from 0 to k, so
+    #: decode steps verify rows of different lengths)
+    fixed_drafts: bool = True
 
     @property
     def needs_head(self) -> bool:
@@ -76,7 +79,8 @@ def _table(*methods: SpecMethod) -> Mapping[str, SpecMethod]:
 
 METHODS: Mapping[str, SpecMethod] = _table(
     # Prompt lookup: no model, so no KV and no lookahead.
-    SpecMethod("ngram", weights="none", extra_lookahead=None, reads_hidden_states=False),
+    # A suffix without an earlier match drafts nothing, so a row verifies 0..k drafts.
+    SpecMethod("ngram", weights="none", extra_lookahead=None, reads_hidden_states=False, fixed_drafts=False),
     # k autoregressive passes; the last draft's KV is never written, the sampled token's is.
     SpecMethod("draft_model", weights="draft_model", extra_lookahead=0, reads_hidden_states=False),
     SpecMethod("eagle", weights="head", extra_lookahead=0, reads_hidden_states=True),

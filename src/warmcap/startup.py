@@ -54,7 +54,7 @@ def run_startup(
     *,
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
-    audit: bool | None = None,
+    audit: bool = True,
     audit_serving: bool = False,
     smoke_tokens: int = 16,
     num_smoke_prompts: int = 2,
@@ -63,7 +63,8 @@ def run_startup(
 ) -> StartupRun:
     """Start an engine with warmup and graph hooks, run a short greedy generation, build the report.
 
-    A warmup audit violation does not raise here: the report carries it (``audit_violations``) and
+    ``audit=False`` runs warmup without its KV-write audit (``--no-audit``); the report then says
+    "audit off". A warmup audit violation does not raise here: the report carries it (``audit_violations``) and
     the caller refuses (``warmup run`` exits 1, ``warmup serve`` never becomes ready); the smoke
     generation is skipped then, as the cache may be corrupted. ``audit_serving`` audits every step
     the engine runs afterwards, the smoke generation included.

@@ -16,6 +16,7 @@ from warmcap.drafters.base import DRAFT_DECODE, DRAFT_PREFILL
 from warmcap.engine import LLMEngine
 from warmcap.graphs.capture.planning import plan_draft_graphs, plan_target_graphs
 from warmcap.graphs.hook import graph_capture_hook
+from warmcap.graphs.startup import capture_graphs
 from warmcap.runner_v2.mamba_state import MambaMetadata, build_mamba_metadata, mamba_metadata, plan_state
 from warmcap.sampling_params import SamplingParams
 
@@ -138,3 +139,32 @@ def test_graph_mamba_metadata_is_refilled_in_place_and_generation_equals_eager(m
     # Replays read real state columns, and different batches read different ones.
     assert all(bool((reads >= 1).any()) for _, _, reads, _ in served)
     assert len({tuple(reads.tolist()) for _, _, reads, _ in served}) > 1
+
+
+def test_cuda_plan_of_an_ngram_hybrid_replays_its_decode_steps() -> None:
+    """ngram drafts nothing for a row without an earlier match, so most decode steps verify one
+    query a row: with no mixed graphs on the ``cuda`` plan, they need one-query decode graphs, or
+    generation replays nothing (seen on an H200). ``static`` capture of the ``cuda`` plan runs the
+    same dispatch on CPU."""
+    config = _config("ngram:2")
+    expected = [
+        o.token_ids
+        for o in LLMEngine(_config("ngram:2", eager=True), startup_hooks=[]).generate(
+            PROMPTS, [GREEDY] * len(PROMPTS)
+        )
+    ]
+    engine = LLMEngine(config, startup_hooks=[])
+    startup = capture_graphs(engine.runner, engine.kv_cache_manager, backend="static", plan_backend="cuda")
+    decode = {g.spec.descriptor.uniform_query_len for g in startup.result.graphs}
+    assert decode == {1, 3}, [g.spec.label for g in startup.result.graphs]
+    assert all(c.verified for c in startup.checks), startup.checks
+    assert any("ngram drafts 0..2 tokens a row" in n for n in startup.result.notes)
+
+    got = [o.token_ids for o in engine.generate(PROMPTS, [GREEDY] * len(PROMPTS))]
+    assert got == expected
+    replays = startup.graph_runner.replays
+    assert sum(n for d, n in replays.items() if d.uniform_query_len == 1) > 0, replays
+
+    # A drafter that always drafts k keeps the plan as it was: no one-query graphs.
+    runner = LLMEngine(_config("draft_model:2@self"), startup_hooks=[]).runner
+    assert {s.descriptor.uniform_query_len for s in plan_target_graphs(runner, backend="cuda").specs} == {3}

@@ -212,3 +212,27 @@ def test_a_json_list_is_not_a_report() -> None:
 def test_diff_refuses_reports_of_different_setups(change, field) -> None:
     with pytest.raises(ConfigError, match=f"not comparable: {field} "):
         diff_reports(_report(), replace(_report(), **change))
+
+
+def test_an_unaudited_report_carries_no_counts_and_a_diff_says_the_audit_went_off() -> None:
+    audited = _report()
+    unaudited = replace(audited, warmup_audit=WarmupAudit(enabled=False))
+    data = json.loads(unaudited.to_json())
+    jsonschema.validate(data, report_schema(), cls=jsonschema.Draft202012Validator)
+    assert data["warmup_audit"]["enabled"] is False
+    assert {data["warmup_audit"][k] for k in ("steps", "passes", "slots_checked", "violations")} == {None}
+    assert CaptureReport.from_json(unaudited.to_json()) == unaudited
+    # Reports from before the field was added were audited.
+    old = json.loads(audited.to_json())
+    del old["warmup_audit"]["enabled"]
+    assert CaptureReport.from_dict(old).warmup_audit.enabled
+
+    console = Console(record=True, width=200)
+    render(unaudited, console)
+    text = console.export_text()
+    assert "audit off" in text and "slots checked" not in text
+
+    went_off = diff_reports(audited, unaudited)
+    row = next(r for r in went_off.rows if r.metric == "warmup audit")
+    assert (row.old, row.new, row.status) == ("0 violations", "off", "regression")
+    assert not diff_reports(unaudited, unaudited).regressions

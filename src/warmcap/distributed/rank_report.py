@@ -32,7 +32,7 @@ def rank_rows(summaries: dict[str, list[dict[str, Any]]], world_size: int) -> li
         rows.append(
             RankRow(
                 rank=rank,
-                warmup_audit=WarmupAudit(**merged.get("warmup_audit", {})),
+                warmup_audit=WarmupAudit.from_dict(merged.get("warmup_audit", {})),
                 graphs=merged.get("graphs", 0),
                 graphs_verified=merged.get("graphs_verified", 0),
             )

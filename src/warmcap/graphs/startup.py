@@ -165,6 +165,7 @@ def capture_graphs(
     report: Callable[..., None] | None = None,
     startup_cache: Path | None = None,
     model_dir: Path | None = None,
+    plan_backend: str | None = None,
 ) -> GraphStartup:
     """Capture the runner's target and drafter graphs, verify each (I4), and attach them for
     serving (``runner.attach_graphs``). ``report`` is
@@ -174,11 +175,12 @@ def capture_graphs(
     None: off, every verdict is proven in this run), keyed on the bytes of the weights the graphs
     run and on the files of ``model_dir``. With it, verdicts cached for this exact setup are
     reused, and one graph per phase is still verified for real; ``compile`` points torch's
-    inductor caches there too.
+    inductor caches there too. ``plan_backend``: capture the graphs that backend plans
+    (``static`` capture of the ``cuda`` plan: which steps a GPU would replay, on CPU).
     """
     say = report or _silent
     chosen = backend or default_backend(runner)
-    capturer = GraphCapturer(runner, chosen, capture_sizes=capture_sizes)
+    capturer = GraphCapturer(runner, chosen, capture_sizes=capture_sizes, plan_backend=plan_backend)
     cache = None
     if startup_cache is not None:
         if model_dir is None:

@@ -39,6 +39,8 @@ class ServeOptions:
     #: graph backend and capture sizes for start-up (None: as ``warmup run`` picks them)
     backend: str | None = None
     capture_sizes: list[int] | None = None
+    #: audit warmup's KV writes (``--no-audit``: False; ``GET /startup`` then says the audit was off)
+    audit: bool = True
     #: audit the KV writes of every serving step (a stray write fails that step's requests)
     audit_serving: bool = False
     #: called from the engine thread with why when start-up fails or is refused
@@ -96,6 +98,7 @@ def build_app(
         config,
         backend=opts.backend,
         capture_sizes=opts.capture_sizes,
+        audit=opts.audit,
         audit_serving=opts.audit_serving,
     )
     if opts.poison_free_kv:

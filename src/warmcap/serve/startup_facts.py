@@ -42,9 +42,11 @@ def start_engine(
     *,
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
+    audit: bool = True,
     audit_serving: bool = False,
 ) -> StartedEngine:
-    """Run the audited start-up of ``warmup run`` (audit always on) and judge its report.
+    """Run the audited start-up of ``warmup run`` and judge its report (``audit=False``,
+    ``--no-audit``: warmup unaudited, and the report says so).
 
     With ``enforce_eager`` nothing is captured and the report has no graphs; that is clean too.
     ``audit_serving`` audits every step the engine then serves (a stray write fails that step).
@@ -52,7 +54,7 @@ def start_engine(
     from warmcap.startup import run_startup
 
     run = run_startup(
-        config, backend=backend, capture_sizes=capture_sizes, audit=True, audit_serving=audit_serving
+        config, backend=backend, capture_sizes=capture_sizes, audit=audit, audit_serving=audit_serving
     )
     report = run.report
     audit = report.warmup_audit

@@ -52,6 +52,8 @@ class AuditResult:
     passes: int = 0
     slots_checked: int = 0
     violations: list[Violation] = field(default_factory=list)
+    #: False: the run was not audited (``--no-audit``), so the counts say nothing
+    enabled: bool = True
 
     @property
     def ok(self) -> bool:
@@ -64,6 +66,8 @@ class AuditResult:
         self.violations.extend(other.violations)
 
     def summary(self) -> str:
+        if not self.enabled:
+            return "audit off: no KV write was checked"
         verdict = "clean" if self.ok else f"{len(self.violations)} VIOLATION(S)"
         return f"{self.steps} steps, {self.passes} passes, {self.slots_checked} slots checked: {verdict}"
 
@@ -77,6 +81,7 @@ class AuditResult:
 
     def to_json(self, max_samples: int = 20) -> dict:
         return {
+            "enabled": self.enabled,
             "steps": self.steps,
             "passes": self.passes,
             "slots_checked": self.slots_checked,

@@ -26,23 +26,21 @@ VIOLATION_ADVICE = (
 def warmup_hook(
     ctx: StartupContext,
     *,
-    audit: bool | None = None,
+    audit: bool = True,
     strict: bool = True,
     plan: WarmupPlan | None = None,
 ) -> WarmupResult:
     """Plan warmup through the engine's own groups and pool size, run it audited, scrub; the
     engine keeps the result as ``startup_results["warmup"]``.
 
-    The audit copies slot mappings to the host, so on CUDA it is opt-in (``audit=True``); on CPU it
-    is on by default. Any violation raises :class:`AuditViolationError` (so ``LLM(...)`` fails)
+    The audit is on by default on every device (``audit=False``, ``--no-audit``: the report then
+    says "audit off", never zero counts). Any violation raises :class:`AuditViolationError` (so ``LLM(...)`` fails)
     unless ``strict=False``, which leaves judging the result to the caller (``warmup run`` and
     ``warmup serve`` report it first).
 
     ``plan``: a plan made elsewhere for the same groups and pool (tensor parallelism: rank 0 plans
     once and every rank runs that plan, ``distributed/executor.py``) instead of planning here.
     """
-    if audit is None:
-        audit = ctx.device.type != "cuda"
     t0 = time.perf_counter()
     if plan is None:
         plan = plan_warmup(ctx.config, ctx.kv_groups, ctx.num_blocks)

@@ -89,7 +89,7 @@ def run_warmup(
     batch_before = BatchSnapshot.of(runner)
     rng_state = runner.sampler.generator.get_state() if runner.sampler.generator is not None else None
     block_sizes = {g.name: g.spec.block_size for g in plan.kv_groups}
-    result = WarmupResult(plan=plan, audit=AuditResult(), used_blocks=used_block_ids(plan))
+    result = WarmupResult(plan=plan, audit=AuditResult(enabled=audit), used_blocks=used_block_ids(plan))
 
     t0 = time.perf_counter()
     try:

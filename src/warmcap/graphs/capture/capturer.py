@@ -98,6 +98,7 @@ class GraphCapturer:
         *,
         capture_sizes: list[int] | None = None,
         drafter_graphs: bool = True,
+        plan_backend: str | None = None,
     ):
         if backend not in GRAPH_BACKENDS:
             raise ConfigError(f"unknown graph backend {backend!r}: use one of {', '.join(GRAPH_BACKENDS)}")
@@ -109,9 +110,14 @@ class GraphCapturer:
         self.runner = runner
         self.backend = backend
         self.capture_sizes = capture_sizes
-        self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes, backend=backend)
+        # ``plan_backend``: capture the graphs another backend would (``static`` following the
+        # ``cuda`` plan shows on CPU which steps a GPU run replays).
+        planned = plan_backend or backend
+        if planned not in GRAPH_BACKENDS:
+            raise ConfigError(f"unknown graph backend {planned!r}: use one of {', '.join(GRAPH_BACKENDS)}")
+        self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes, backend=planned)
         self.draft_plan = (
-            plan_draft_graphs(runner, self.plan, backend=backend) if drafter_graphs else GraphPlan([], [], [])
+            plan_draft_graphs(runner, self.plan, backend=planned) if drafter_graphs else GraphPlan([], [], [])
         )
         self.subjects: dict[str, GraphSubject[Any]] = make_subjects(runner)
         self._metas: dict[str, dict[str, AttentionMetadata]] = {}

@@ -4,7 +4,9 @@ then the drafter's ``draft_prefill`` (on the target's token counts) and ``draft_
 Mamba layers are graph-safe only on uniform batches of at most ``MAX_UNIFORM_QUERY_LEN`` queries per
 row (see :mod:`warmcap.runner_v2.attention.mamba2`); ragged ones run a per-row scan over host lists. With the
 ``cuda`` backend a model with Mamba layers therefore gets no mixed graphs (and a draft LM with Mamba
-layers no draft-prefill graphs); ``static`` and ``compile`` record nothing and keep them all.
+layers no draft-prefill graphs); ``static`` and ``compile`` record nothing and keep them all. Such a
+plan adds one-query decode graphs when the drafter may draft nothing for a row (ngram), since no
+mixed graph would catch those steps.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def plan_target_graphs(
             "CUDA graphs cannot record the ragged scan (host lists) of the model's Mamba layers: "
             "mixed prefill/decode batches run eagerly"
         )
+        specs += _undrafted_decode_specs(runner, max_tokens, notes)
         return GraphPlan(specs, kept, notes)
     indexed = any(g.spec.kind == "indexer" for g in runner.kv_groups)
     phase = "sparse_mla" if indexed else "mixed"
@@ -137,6 +140,25 @@ def plan_target_graphs(
         cap = min(size, max_reqs)
         specs.append(GraphSpec(phase, BatchDescriptor(CUDAGraphMode.FULL, size, cap), cap + 1))
     return GraphPlan(specs, kept, notes)
+
+
+def _undrafted_decode_specs(runner: ModelRunner, max_tokens: int, notes: list[str]) -> list[GraphSpec]:
+    """Uniform decode graphs of one query per row, for a drafter that may draft nothing (ngram) on
+    a plan without mixed graphs: there a step whose rows found no draft (the common case on text
+    without repeats) fits no ``1 + k`` graph, and nothing else would replay it."""
+    config = runner.config
+    k = config.num_speculative_tokens
+    if k == 0 or config.speculative is None or config.speculative.entry.fixed_drafts:
+        return []
+    notes.append(
+        f"{config.speculative.method} drafts 0..{k} tokens a row: decode graphs of 1 and {1 + k} "
+        "queries a row; decode steps whose rows differ in length run eagerly"
+    )
+    return [
+        GraphSpec("decode", BatchDescriptor(CUDAGraphMode.FULL, n, n, 1), n)
+        for n in uniform_decode_sizes(runner.max_num_reqs, 0)
+        if n <= max_tokens
+    ]
 
 
 def plan_draft_graphs(runner: ModelRunner, target: GraphPlan, *, backend: str = "static") -> GraphPlan:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from warmcap.errors import ConfigError
-from warmcap.graphs.proof.report import CaptureReport, GraphRecord
+from warmcap.graphs.proof.report import CaptureReport, GraphRecord, WarmupAudit
 
 # Capture times below this many seconds are noise on any machine; changes under it are not judged.
 TIME_FLOOR_S = 0.005
@@ -115,9 +115,15 @@ def diff_reports(
             status = "same"
         d.add("acceptance length", f"{old_acc:.3f}", f"{new_acc:.3f}", status)
 
-    ov, nv = old.warmup_audit.violations, new.warmup_audit.violations
-    status = "regression" if nv > ov else "improvement" if nv < ov else "same"
-    d.add("warmup audit violations", str(ov), str(nv), status)
+    oa, na = old.warmup_audit, new.warmup_audit
+    if oa.enabled and na.enabled:
+        ov, nv = oa.violations, na.violations
+        status = "regression" if nv > ov else "improvement" if nv < ov else "same"
+        d.add("warmup audit violations", str(ov), str(nv), status)
+    elif oa.enabled or na.enabled:
+        # An unaudited side proves nothing either way: say so rather than compare zeros.
+        status = "regression" if oa.enabled else "improvement"
+        d.add("warmup audit", _audit_text(oa), _audit_text(na), status)
 
     old_graphs = {g.key: g for g in old.graphs}
     new_graphs = {g.key: g for g in new.graphs}
@@ -170,3 +176,7 @@ def _pct(old: float, new: float) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def _audit_text(audit: WarmupAudit) -> str:
+    return f"{audit.violations} violations" if audit.enabled else "off"

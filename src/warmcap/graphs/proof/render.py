@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from warmcap.graphs.proof.diff import DiffResult
-from warmcap.graphs.proof.report import CaptureReport, GraphRecord, RankRow
+from warmcap.graphs.proof.report import AUDIT_OFF, CaptureReport, GraphRecord, RankRow
 
 BACKEND_EXPLAINED = {
     "cuda": "CUDA graphs were recorded with torch.cuda.CUDAGraph into one shared memory pool and "
@@ -59,10 +59,13 @@ def render(report: CaptureReport, console: Console) -> None:
 
     a = report.warmup_audit
     verdict = "[green]no stray KV write[/]" if a.violations == 0 else f"[red]{a.violations} violations[/]"
-    console.print(
-        f"[bold]warmup audit[/]  {a.steps} steps, {a.passes} passes, "
-        f"{a.slots_checked} slots checked: {verdict}"
-    )
+    if not a.enabled:
+        console.print(f"[bold]warmup audit[/]  [yellow]{AUDIT_OFF}[/]")
+    else:
+        console.print(
+            f"[bold]warmup audit[/]  {a.steps} steps, {a.passes} passes, "
+            f"{a.slots_checked} slots checked: {verdict}"
+        )
     for sample in a.violation_samples:
         console.print(f"  [red]- {sample}[/]")
     if report.ranks:
@@ -128,8 +131,10 @@ def _rank_table(ranks: list[RankRow]) -> Table:
     for r in ranks:
         a = r.warmup_audit
         stray = Text(str(a.violations), style="green" if a.violations == 0 else "red")
+        if not a.enabled:
+            stray = Text("audit off", style="yellow")
         verified = Text(f"{r.graphs_verified}/{r.graphs}", style="green" if r.all_verified else "red")
-        table.add_row(str(r.rank), str(a.slots_checked), stray, verified)
+        table.add_row(str(r.rank), str(a.slots_checked) if a.enabled else "-", stray, verified)
     return table
 
 

@@ -92,15 +92,32 @@ class Totals:
     cuda_unsafe: int = 0
 
 
+#: what a report says instead of counts when warmup ran without its audit
+AUDIT_OFF = "audit off (--no-audit): no KV write was checked"
+
+
 @dataclass(frozen=True, slots=True)
 class WarmupAudit:
-    """Outcome of the warmup KV-write audit (invariant I2)."""
+    """Outcome of the warmup KV-write audit (invariant I2). ``enabled`` False: warmup ran without
+    it (``--no-audit``); the JSON then carries null counts, never zeros that read as clean."""
 
     steps: int = 0
     passes: int = 0
     slots_checked: int = 0
     violations: int = 0
     violation_samples: list[str] = field(default_factory=list)
+    enabled: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not self.enabled:
+            data.update(steps=None, passes=None, slots_checked=None, violations=None)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WarmupAudit:
+        """Inverse of :meth:`to_dict` (reports from before ``enabled`` were audited)."""
+        return cls(**{k: 0 if v is None else v for k, v in data.items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,14 +232,17 @@ class CaptureReport:
             "capture_sizes": list(self.capture_sizes),
             "graphs": [_graph_dict(g) for g in self.graphs],
             "totals": asdict(self.totals),
-            "warmup_audit": asdict(self.warmup_audit),
+            "warmup_audit": self.warmup_audit.to_dict(),
             "spec_decode": spec_decode,
             "timings": {k: self.timings.get(k) for k in TIMING_KEYS},
             "notes": list(self.notes),
         }
         if self.ranks:
             # Only under tensor parallelism, so one-device reports keep their exact shape.
-            data["ranks"] = [{**asdict(r), "all_verified": r.all_verified} for r in self.ranks]
+            data["ranks"] = [
+                {**asdict(r), "warmup_audit": r.warmup_audit.to_dict(), "all_verified": r.all_verified}
+                for r in self.ranks
+            ]
         if self.startup_cache is not None:
             data["startup_cache"] = asdict(self.startup_cache)
         return data
@@ -252,7 +272,7 @@ class CaptureReport:
                 spec=SpecInfo(**data["spec"]),
                 capture_sizes=list(data["capture_sizes"]),
                 graphs=[GraphRecord(**g) for g in data["graphs"]],
-                warmup_audit=WarmupAudit(**data["warmup_audit"]),
+                warmup_audit=WarmupAudit.from_dict(data["warmup_audit"]),
                 spec_decode=SpecDecodeStats(**spec_decode),
                 timings={k: v for k, v in data["timings"].items() if v is not None},
                 notes=list(data["notes"]),
@@ -260,7 +280,7 @@ class CaptureReport:
                 ranks=[
                     RankRow(
                         rank=r["rank"],
-                        warmup_audit=WarmupAudit(**r["warmup_audit"]),
+                        warmup_audit=WarmupAudit.from_dict(r["warmup_audit"]),
                         graphs=r["graphs"],
                         graphs_verified=r["graphs_verified"],
                     )
