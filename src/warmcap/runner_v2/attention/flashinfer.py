@@ -145,8 +145,10 @@ class FlashInferAttention(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not kv_written:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         hq, d, hkv = q.shape[1], q.shape[2], kv_cache.shape[3]
         key = (id(meta), sliding_window, hq, hkv, d)
         planned = self._planned.get(key)
