@@ -216,3 +216,67 @@ def test_custom_ops_have_fake_implementations(ops):
             q, k, k, cos, cos, torch.empty(2, 4, 2, 1, 8), torch.empty(3, dtype=torch.int64)
         )
         assert ops.greedy_argmax(torch.empty(3, 50)).shape == (3,)
+
+
+def _tiny_engine(dtype: str):
+    from warmcap.engine import LLMEngine
+    from warmcap.llm import build_config
+
+    config = build_config(
+        "tiny-llama", device="cpu", dtype=dtype, enforce_eager=True, max_model_len=256, max_num_seqs=2
+    )
+    return LLMEngine(config, startup_hooks=[])
+
+
+@pytest.mark.slow
+def test_a_model_on_the_fused_ops_generates_the_reference_tokens_and_logs_every_kv_write(ops, monkeypatch):
+    from warmcap.models.fused_ops import attach_fused_ops
+    from warmcap.runner_v2.attention import torch_paged
+    from warmcap.sampling_params import SamplingParams
+
+    for env in ("WARMCAP_CPU_LAYER_OPS", "WARMCAP_CPU_GEMM", "WARMCAP_CPU_ATTENTION"):
+        monkeypatch.setenv(env, "torch")  # the path CUDA runs: torch's ops where no fused op applies
+    prompts = [{"prompt_token_ids": list(range(3, 22))}, {"prompt_token_ids": list(range(40, 46))}]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 2
+    want = [o.outputs[0].token_ids for o in _tiny_engine("float32").generate(prompts, params)]
+
+    engine = _tiny_engine("float32")
+    attach_fused_ops(engine.runner.model, ops)
+    caches = engine.runner.kv_caches.tensors
+    with torch.inference_mode():
+        for cache in caches.values():
+            cache.fill_(float("nan"))
+
+    def backend_write(*args, **kwargs):
+        raise AssertionError("the layer wrote K/V itself: the backend must not write them again")
+
+    monkeypatch.setattr(torch_paged, "write_kv_slots", backend_write)
+    with engine.runner.recording_kv_writes(True) as log:
+        got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+
+    # Invariant I2 with the fused write: the slots the log recorded are exactly the slots written.
+    recorded = {int(s) for r in log.records for s in r.slot_mapping.tolist() if s >= 0}
+    assert recorded, "the passes were recorded"
+    for layer, cache in caches.items():
+        keys = cache[0].reshape(-1, cache.shape[3] * cache.shape[4])
+        written = set(torch.nonzero(~keys.isnan().all(dim=1)).flatten().tolist())
+        sink = (cache.shape[1] - 1) * cache.shape[2]
+        assert written - {sink} == recorded, f"{layer}: slots written but not logged, or logged but not written"
+
+
+@pytest.mark.slow
+def test_gpu_checks_fused_ops_body_runs_on_cpu(monkeypatch):
+    # scripts/gpu_check.py's check_fused_ops, on CPU under the interpreter, so it cannot rot unseen.
+    import runpy
+    from pathlib import Path
+
+    for env in ("WARMCAP_CPU_LAYER_OPS", "WARMCAP_CPU_GEMM", "WARMCAP_CPU_ATTENTION"):
+        monkeypatch.setenv(env, "torch")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    check = runpy.run_path(str(script), run_name="gpu_check")["check_fused_ops"]
+    result = check(device="cpu", model="tiny-llama")
+    assert result["ok"], result
+    steps = result["decode_step"]
+    assert steps["fused"]["ops_per_layer"] < steps["torch"]["ops_per_layer"]
+    assert steps["fused"]["greedy_head"] == "FusedGreedyHead"
