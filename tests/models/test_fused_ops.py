@@ -107,7 +107,7 @@ def test_rope_write_kv_rotates_and_writes_what_the_backend_would(
     ops, t, kv_heads, group, d, block_size, dtype, seed
 ):
     gen = torch.Generator().manual_seed(seed)
-    hq, blocks = kv_heads * group, 6
+    hq, blocks = kv_heads * group, 8  # at least t real slots, whatever the block size
     # q/k/v as column slices of one [T, (Hq + 2 Hkv) D] product, as a packed q/k/v GEMM gives them.
     qkv = torch.randn(t, (hq + 2 * kv_heads) * d, generator=gen).to(dtype)
     q = qkv[:, : hq * d].view(t, hq, d)
@@ -175,6 +175,27 @@ def test_fused_greedy_head_gives_the_full_logits_argmax_or_declines(ops):
         declined = greedy.argmax(x)
     assert got is not None and torch.equal(got, want)
     assert declined is None, "a non-finite row must send the step to the full logits"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_linears_are_one_gemm_over_views_of_their_weights(ops, bias):
+    from warmcap.models.fused_ops import StackedLinear
+
+    torch.manual_seed(0)
+    linears = [nn.Linear(12, n, bias=bias).to(torch.bfloat16) for n in (8, 4, 4)]
+    x = torch.randn(3, 12, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = [lin(x) for lin in linears]
+        stack = StackedLinear.of(linears, ops)
+        assert stack is not None
+        got = stack(x)
+        # The parameters are rows of the stacked weight: no second copy, the same checkpoint names.
+        assert all(lin.weight.untyped_storage().data_ptr() == stack.weight.data_ptr() for lin in linears)
+        assert [lin(x).tolist() for lin in linears] == [w.tolist() for w in want]
+        assert got is not None and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        linears[1].weight = nn.Parameter(torch.zeros(4, 12, dtype=torch.bfloat16))
+        assert stack(x) is None, "a rebound parameter: the linears run one by one"
+    assert StackedLinear.of([nn.Linear(12, 4), nn.Linear(10, 4)], ops) is None, "different inputs"
 
 
 def test_ops_refuse_what_they_cannot_take(ops):

@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from warmcap.errors import ConfigError
@@ -63,10 +64,30 @@ def fused_ops_for(device: torch.device | str) -> FusedOps | None:
 
 
 def attach_fused_ops(model: nn.Module, ops: FusedOps) -> None:
-    """Give ``ops`` to every module of ``model`` whose class declares ``fused_ops``."""
-    for module in model.modules():
-        if hasattr(type(module), "fused_ops"):
-            module.fused_ops = ops
+    """Give ``ops`` to every module of ``model`` whose class declares ``fused_ops``, and stack the
+    linears of each such module's ``packed_groups`` (q/k/v, gate/up) into one GEMM each
+    (:class:`StackedLinear`)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(type(module), "fused_ops"):
+                module.fused_ops = ops
+                stacks = {}
+                for names in getattr(type(module), "packed_groups", ()):
+                    stack = StackedLinear.of([getattr(module, n) for n in names], ops)
+                    if stack is not None:
+                        stacks[names] = stack
+                if stacks:
+                    module.fused_stacks = stacks
+
+
+def stacked_product(
+    module: nn.Module, names: tuple[str, ...], x: torch.Tensor
+) -> tuple[torch.Tensor, ...] | None:
+    """The outputs of ``module``'s linears ``names`` for ``x`` from their one stacked GEMM, or None
+    when they were not stacked (or no longer are)."""
+    stacks = getattr(module, "fused_stacks", None)
+    stack = None if stacks is None else stacks.get(names)
+    return None if stack is None else stack(x)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -157,6 +178,50 @@ class FusedOps:
         if not self.accepts(logits) or logits.dim() != 2 or logits.stride(-1) != 1:
             return None
         return torch.ops.warmcap_fused.greedy_argmax(logits)
+
+
+class StackedLinear:
+    """Linears that read the same input (q/k/v, gate/up) as one GEMM: their weights (and biases)
+    are stacked into one tensor once, and each linear's parameter becomes a view of its rows, so the
+    model holds no second copy and the checkpoint names still reach the same memory. A call checks
+    that the parameters are still those views (a later ``load_weights(assign=True)`` or ``.to()``
+    rebinds them) and otherwise returns None, so the linears run one by one."""
+
+    def __init__(self, linears: list[nn.Linear], weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.linears = linears
+        self.weight = weight
+        self.bias = bias
+        self.sizes = [lin.out_features for lin in linears]
+        self._ptrs = [lin.weight.data_ptr() for lin in linears]
+
+    @classmethod
+    def of(cls, linears: list[nn.Module], ops: FusedOps) -> StackedLinear | None:
+        """Stack ``linears`` (under ``torch.no_grad``) when they are plain ``nn.Linear`` of one
+        input size on ``ops``' device in one dtype, all with a bias or none; else None."""
+        if len(linears) < 2 or any(type(lin) is not nn.Linear for lin in linears):
+            return None
+        first = linears[0]
+        has_bias = first.bias is not None
+        for lin in linears:
+            if lin.in_features != first.in_features or (lin.bias is not None) != has_bias:
+                return None
+            if not ops.accepts(lin.weight) or lin.weight.dtype != first.weight.dtype:
+                return None
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
+        sizes = [lin.out_features for lin in linears]
+        for lin, w, b in zip(
+            linears, weight.split(sizes), bias.split(sizes) if has_bias else [None] * len(sizes), strict=True
+        ):
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if b is not None:
+                lin.bias = nn.Parameter(b, requires_grad=False)
+        return cls(linears, weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        if any(lin.weight.data_ptr() != p for lin, p in zip(self.linears, self._ptrs, strict=True)):
+            return None
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def _norm_shape(x: torch.Tensor, weight: torch.Tensor) -> bool:

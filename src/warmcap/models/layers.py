@@ -124,11 +124,20 @@ class GatedMLP(nn.Module):
             hidden = group.silu_mul(x)
             if hidden is not None:
                 return self.down_proj(hidden)
-        gate, up = (self.gate_proj(x), self.up_proj(x)) if group is None else group(x)
         fused = self.fused_ops
-        if fused is not None and self.act is F.silu and (hidden := fused.silu_mul(gate, up)) is not None:
-            return self.down_proj(hidden)
+        if fused is not None:
+            return self._fused_forward(fused, x)
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if group is None else group(x)
         # The activation's output is fresh: the product goes into it (one temporary, not two).
+        return self.down_proj(self.act(gate).mul_(up))
+
+    def _fused_forward(self, fused: FusedOps, x: torch.Tensor) -> torch.Tensor:
+        """CUDA with the fused ops: gate/up as one stacked GEMM, SiLU and the product in one launch."""
+        from warmcap.models.fused_ops import stacked_product
+
+        gate, up = stacked_product(self, ("gate_proj", "up_proj"), x) or (self.gate_proj(x), self.up_proj(x))
+        if self.act is F.silu and (hidden := fused.silu_mul(gate, up)) is not None:
+            return self.down_proj(hidden)
         return self.down_proj(self.act(gate).mul_(up))
 
 

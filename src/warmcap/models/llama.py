@@ -191,8 +191,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """The forward with RoPE and the KV write in one launch: k and v land at the pass's slot
         mapping, the slots the KV-write log records, and the backend is told they are in place."""
+        from warmcap.models.fused_ops import stacked_product
+
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.project(x)
+        # One GEMM for q/k/v where the loader stacked them (models/fused_ops.py StackedLinear).
+        q, k, v = stacked_product(self, ("q_proj", "k_proj", "v_proj"), x) or self.project(x)
         # The projections are fresh: the kernel rotates q and k in place.
         q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
         if self.q_norm is not None and self.k_norm is not None:
