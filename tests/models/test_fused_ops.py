@@ -283,7 +283,9 @@ def test_a_model_on_the_fused_ops_generates_the_reference_tokens_and_logs_every_
         keys = cache[0].reshape(-1, cache.shape[3] * cache.shape[4])
         written = set(torch.nonzero(~keys.isnan().all(dim=1)).flatten().tolist())
         sink = (cache.shape[1] - 1) * cache.shape[2]
-        assert written - {sink} == recorded, f"{layer}: slots written but not logged, or logged but not written"
+        assert written - {sink} == recorded, (
+            f"{layer}: slots written but not logged, or logged but not written"
+        )
 
 
 @pytest.mark.slow
