@@ -5,7 +5,9 @@ layer's KV kind, found through :meth:`ForwardContext.backend`; it never construc
 registers the implementations (:mod:`warmcap.runner_v2.attention.selector`).
 
 Every ``forward``/``select`` writes this step's vectors into the layer's cache through
-``meta.slot_mapping`` first (PAD slots go to the sink block), then reads the context.
+``meta.slot_mapping`` first (PAD slots go to the sink block), then reads the context; an attention
+backend with ``accepts_written_kv`` skips the write when the layer says it wrote them there itself
+(``kv_written``, the fused RoPE + KV write of ``models/fused_ops.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class AttentionBackend(ABC):
     name: str = "base"
     #: whether a whole forward using this backend can be captured as one FULL graph
     supports_full_graph: bool = False
+    #: whether :meth:`forward` takes ``kv_written=True`` (k/v already at ``meta.slot_mapping``,
+    #: nothing to write); a backend without it is called without the keyword and writes them again
+    accepts_written_kv: bool = False
 
     @abstractmethod
     def forward(
@@ -44,8 +49,10 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> output [T, Hq, D]; writes k/v into ``kv_cache`` first."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> output [T, Hq, D]; writes k/v into ``kv_cache`` first,
+        unless ``kv_written`` (passed only to a backend with :attr:`accepts_written_kv`)."""
 
     def prepare_for_capture(self, metas: dict[str, AttentionMetadata]) -> None:  # noqa: B027
         """Hook before recording a graph over these (static) metadata buffers."""

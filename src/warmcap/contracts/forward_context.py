@@ -62,6 +62,12 @@ class ForwardContext(Protocol):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """Paged attention for one full / sliding-window layer with its group's metadata and cache."""
+        """Paged attention for one full / sliding-window layer with its group's metadata and cache.
+
+        ``kv_written``: the caller already wrote ``k``/``v`` at the metadata's ``slot_mapping``
+        (PAD to the sink) of ``kv_caches[layer_name]`` (``models/fused_ops.py``); a backend that
+        honours it (:attr:`~warmcap.contracts.backends.AttentionBackend.accepts_written_kv`) skips
+        its own write, any other writes the same values again."""
         ...

@@ -23,6 +23,7 @@ from warmcap.models.packed_linear import PackedLinear
 
 if TYPE_CHECKING:
     from warmcap.contracts.forward_context import ForwardContext
+    from warmcap.models.fused_ops import FusedGreedyHead
     from warmcap.models.rope import RotaryEmbedding
 
 
@@ -175,12 +176,19 @@ class DecoderForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
-    def greedy_head(self) -> GreedyHead | None:
+    def greedy_head(self) -> GreedyHead | FusedGreedyHead | None:
         """The exact screened argmax of :meth:`compute_logits` (``models/greedy_head.py``), built
-        now; None where it does not apply: a family whose logits are more than ``lm_head(hidden)``,
-        or a head that is not a packed float32 CPU linear (batch-invariant, tensor-parallel, GPU)."""
+        now, or with the fused ops on CUDA their one-launch argmax (``models/fused_ops.py``); None
+        where neither applies: a family whose logits are more than ``lm_head(hidden)``, or a head
+        that is neither (batch-invariant, tensor-parallel, a GPU without the fused ops)."""
         if not self._logits_are_the_head():
             return None
+        fused = getattr(self.model.final_norm, "fused_ops", None)
+        if fused is not None and type(self.lm_head) is nn.Linear and fused.accepts(self.lm_head.weight):
+            from warmcap.models.fused_ops import FusedGreedyHead
+
+            # CUDA with the fused ops: the head's product, then one argmax launch over it.
+            return FusedGreedyHead(self.lm_head, fused)
         # The CPU layer ops, where the loader attached them, also hold the head's candidate test.
         return GreedyHead.build(self.lm_head, getattr(self.model.final_norm, "cpu_ops", None))
 

@@ -27,6 +27,7 @@ from warmcap.models.packed_linear import packed_group
 
 if TYPE_CHECKING:
     from warmcap.cpu_kernels.layer_ops import LayerOps
+    from warmcap.models.fused_ops import FusedOps
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -47,10 +48,12 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype.
 
     ``cpu_ops``: the compiled CPU layer ops (:func:`attach_cpu_layer_ops`), used for float32 rows
-    on CPU; None (the default) or tensors they cannot take run torch's ops.
+    on CPU; ``fused_ops``: the fused Triton ops on CUDA (``models/fused_ops.py``); None (the
+    default) or tensors they cannot take run torch's ops.
     """
 
     cpu_ops: LayerOps | None = None
+    fused_ops: FusedOps | None = None
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -58,6 +61,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.fused_ops
+        if fused is not None and (out := fused.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         # One fused kernel instead of six elementwise ops. In float32 the weight can go into the
         # kernel; otherwise it scales the result after the cast back, as transformers does.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -69,7 +75,10 @@ class RMSNorm(nn.Module):
 
     def residual(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(h + delta, self(h + delta))``: the residual stream after a block and its norm (one
-        pass with the CPU layer ops; the sum is exact either way)."""
+        pass with the CPU layer ops or the fused ops; the sum is exact either way)."""
+        fused = self.fused_ops
+        if fused is not None and (both := fused.add_rms_norm(h, delta, self.weight, self.eps)) is not None:
+            return both
         ops = self.cpu_ops
         if ops is not None and (both := ops.add_rms_norm(h, delta, self.weight, self.eps)) is not None:
             return both
@@ -96,6 +105,8 @@ class GatedMLP(nn.Module):
 
     #: gate and up read the same input: one packed GEMM on CPU (``models/packed_linear.py``)
     packed_groups: ClassVar[tuple[tuple[str, ...], ...]] = (("gate_proj", "up_proj"),)
+    #: the fused Triton ops on CUDA (``models/fused_ops.py``): SiLU and the product in one launch
+    fused_ops: FusedOps | None = None
 
     def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False) -> None:
         super().__init__()
@@ -113,8 +124,20 @@ class GatedMLP(nn.Module):
             hidden = group.silu_mul(x)
             if hidden is not None:
                 return self.down_proj(hidden)
+        fused = self.fused_ops
+        if fused is not None:
+            return self._fused_forward(fused, x)
         gate, up = (self.gate_proj(x), self.up_proj(x)) if group is None else group(x)
         # The activation's output is fresh: the product goes into it (one temporary, not two).
+        return self.down_proj(self.act(gate).mul_(up))
+
+    def _fused_forward(self, fused: FusedOps, x: torch.Tensor) -> torch.Tensor:
+        """CUDA with the fused ops: gate/up as one stacked GEMM, SiLU and the product in one launch."""
+        from warmcap.models.fused_ops import stacked_product
+
+        gate, up = stacked_product(self, ("gate_proj", "up_proj"), x) or (self.gate_proj(x), self.up_proj(x))
+        if self.act is F.silu and (hidden := fused.silu_mul(gate, up)) is not None:
+            return self.down_proj(hidden)
         return self.down_proj(self.act(gate).mul_(up))
 
 

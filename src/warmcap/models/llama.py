@@ -25,6 +25,7 @@ from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
     from warmcap.cpu_kernels.layer_ops import LayerOps
+    from warmcap.models.fused_ops import FusedOps
 
 #: checkpoint entries that carry no weights of ours (recomputed buffers)
 IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -109,6 +110,8 @@ class LlamaAttention(nn.Module):
     packed_groups: ClassVar[tuple[tuple[str, ...], ...]] = (("q_proj", "k_proj", "v_proj"),)
     #: the compiled CPU layer ops, for RoPE (``models/layers.py`` ``attach_cpu_layer_ops``)
     cpu_ops: LayerOps | None = None
+    #: the fused Triton ops on CUDA: RoPE and the KV write in one launch (``models/fused_ops.py``)
+    fused_ops: FusedOps | None = None
 
     def __init__(self, hf_config: Any, layer_idx: int, traits: ArchTraits) -> None:
         super().__init__()
@@ -149,6 +152,12 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        fused = self.fused_ops
+        if fused is not None:
+            caches = getattr(ctx, "kv_caches", None)
+            kv_cache = None if caches is None else caches.get(self.layer_name)
+            if kv_cache is not None:
+                return self._fused_forward(fused, x, cos, sin, ctx, kv_cache)
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         group = packed_group(self.q_proj, self.k_proj, self.v_proj)
         if group is not None and self.q_norm is None:
@@ -170,6 +179,35 @@ class LlamaAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attention(self.layer_name, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _fused_forward(
+        self,
+        fused: FusedOps,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The forward with RoPE and the KV write in one launch: k and v land at the pass's slot
+        mapping, the slots the KV-write log records, and the backend is told they are in place."""
+        from warmcap.models.fused_ops import stacked_product
+
+        t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        # One GEMM for q/k/v where the loader stacked them (models/fused_ops.py StackedLinear).
+        q, k, v = stacked_product(self, ("q_proj", "k_proj", "v_proj"), x) or self.project(x)
+        # The projections are fresh: the kernel rotates q and k in place.
+        q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        slots = ctx.metadata(self.layer_name).slot_mapping
+        written = fused.rope_write_kv(q, k, v, cos, sin, kv_cache, slots)
+        if not written:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attention(
+            self.layer_name, q, k, v, scale=self.scale, sliding_window=self.sliding_window, kv_written=written
+        )
+        return self.o_proj(out.reshape(t, hq * d))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -183,6 +183,13 @@ def load_model(
         if torch.device(device).type == "cpu":
             # Compiled for and checked against CPU tensors only: a GPU model never builds them.
             attach_cpu_layer_ops(model)
+        else:
+            from warmcap.models.fused_ops import attach_fused_ops, fused_ops_for
+
+            # The capability check: the fused Triton ops on CUDA (models/fused_ops.py).
+            fused = fused_ops_for(device)
+            if fused is not None:
+                attach_fused_ops(model, fused)
     return model.eval()
 
 

@@ -51,6 +51,7 @@ class StepContext:
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         group = self.layer_to_group[layer_name]
         resolved = self._attention_groups.get(group)
@@ -58,6 +59,10 @@ class StepContext:
             backend = self.backends.get(self.group_kinds[group], AttentionBackend)
             resolved = self._attention_groups[group] = (backend, self.attn_metadata[group])
         backend, meta = resolved
-        return backend.forward(
-            q, k, v, self.kv_caches[layer_name], meta, scale=scale, sliding_window=sliding_window
-        )
+        cache = self.kv_caches[layer_name]
+        if kv_written and backend.accepts_written_kv:
+            return backend.forward(
+                q, k, v, cache, meta, scale=scale, sliding_window=sliding_window, kv_written=True
+            )
+        # A backend that cannot skip its write writes the same k/v at the same slots again.
+        return backend.forward(q, k, v, cache, meta, scale=scale, sliding_window=sliding_window)

@@ -66,6 +66,7 @@ class FlashInferAttention(AttentionBackend):
 
     name = "flashinfer"
     supports_full_graph = True
+    accepts_written_kv = True
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -193,8 +194,10 @@ class FlashInferAttention(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        write_kv_triton(kv_cache, k, v, meta.slot_mapping)
+        if not kv_written:
+            write_kv_triton(kv_cache, k, v, meta.slot_mapping)
         hq, d, hkv = q.shape[1], q.shape[2], kv_cache.shape[3]
         key = (id(meta), sliding_window, hq, hkv, d)
         planned = self._planned.get(key)

@@ -267,6 +267,7 @@ class TorchPagedAttention(AttentionBackend):
 
     name = "torch"
     supports_full_graph = True
+    accepts_written_kv = True
 
     def __init__(self, device: torch.device | str | None = None, *, batch_invariant: bool = False) -> None:
         """``device``: a CPU device builds the kernel now (engine start-up) rather than on the
@@ -319,26 +320,30 @@ class TorchPagedAttention(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         t, hq, d = q.shape
         if t == 0 or meta.num_reqs == 0:
-            write_kv(kv_cache, k, v, meta.slot_mapping)
+            if not kv_written:
+                write_kv(kv_cache, k, v, meta.slot_mapping)
             return torch.zeros_like(q)
         plan = self._plan_for(meta, t)
-        slots = plan.write_slots(kv_cache, t)
+        # Already written by the layer (``kv_written``): no sink slots to derive.
+        slots = None if kv_written else plan.write_slots(kv_cache, t)
         r, qmax = meta.num_reqs, plan.max_query_len
         if (qmax <= MAX_QUERY_LEN or meta.graph_bounds) and _kernel_can_read(q, kv_cache):
             kernel = self._cpu_kernel()
             if kernel is not None:
                 # The kernel writes this step's K/V itself when it can (one call instead of three).
-                new_kv = (k, v, slots) if kernel.can_write(k, v) else None
-                if new_kv is None:
+                new_kv = (k, v, slots) if slots is not None and kernel.can_write(k, v) else None
+                if new_kv is None and slots is not None:
                     write_kv_slots(kv_cache, k, v, slots)
                 out = kernel(
                     q, kv_cache, plan.kernel_inputs(), scale=scale, window=sliding_window, new_kv=new_kv
                 )
                 return out if out.dtype == q.dtype else out.to(q.dtype)
-        write_kv_slots(kv_cache, k, v, slots)
+        if slots is not None:
+            write_kv_slots(kv_cache, k, v, slots)
         hkv = kv_cache.shape[3]
         group = hq // hkv
         # [R, Hkv, K, D]: each row's keys laid end to end, read slot by slot (see ``key_slots``).

@@ -371,6 +371,7 @@ class TritonPagedAttention(AttentionBackend):
 
     name = "triton"
     supports_full_graph = True
+    accepts_written_kv = True
 
     def __init__(self, *, splits: int | None = None) -> None:
         """``splits``: force the number of key splits (tests); default from the device's size."""
@@ -386,8 +387,10 @@ class TritonPagedAttention(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        write_kv_triton(kv_cache, k, v, meta.slot_mapping)
+        if not kv_written:
+            write_kv_triton(kv_cache, k, v, meta.slot_mapping)
         return paged_attention_triton(
             q, kv_cache, meta, scale=scale, sliding_window=sliding_window, splits=self._splits
         )
