@@ -144,7 +144,7 @@ def test_unknown_context_limit_is_the_same_clear_error_in_engine_and_plan(
         LLMEngine(build_config(str(model_without_context_limit), device="cpu"))
     message = str(exc.value)
     assert "max_position_embeddings" in message and "--max-model-len" in message
-    res = runner.invoke(app, ["plan", "--model", str(model_without_context_limit)])
+    res = runner.invoke(app, ["plan", "--model", str(model_without_context_limit), "--max-model-len", "auto"])
     assert res.exit_code == 2
     assert "Traceback" not in res.output
     assert " ".join(res.output.split()) == " ".join(f"error: {message}".split())

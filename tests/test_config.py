@@ -47,6 +47,8 @@ def test_no_speculation(text):
         ("[1]", "unknown speculative method '\\[1\\]'"),
         ('{"method": "eagle", "k": 3}', "unknown speculative config keys \\['k'\\]"),
         ('{"num_speculative_tokens": 3}', 'needs "method"'),
+        ('{"method": "ngram", "num_speculative_tokens": "3"}', "num_speculative_tokens: .*got '3'"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens: .*got True"),
         ("ngram:2@./draft", "drop the @DRAFT path"),
         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "got 5..2"),
     ],

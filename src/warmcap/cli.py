@@ -6,13 +6,27 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import wraps
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from warmcap import __version__
+from warmcap.cli_options import (
+    GENERATE,
+    SERVE,
+    STARTUP,
+    Audit,
+    AuditServing,
+    Backend,
+    CaptureSizes,
+    Model,
+    Quiet,
+    Spec,
+    Verbose,
+    engine_options,
+)
 from warmcap.errors import ConfigError, WarmcapError
 
 app = typer.Typer(
@@ -98,39 +112,6 @@ def _exit(code: object) -> None:
 
 # ---- shared options ------------------------------------------------------------------------------
 
-BATCH_INVARIANT_HELP = (
-    "Fixed-shape GEMM tiles: a token's output never depends on its batch, so graph replays equal "
-    "eager steps bit for bit (slower; Llama-family models)."
-)
-KV_TRANSFER_HELP = (
-    'P/D KV transfer as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}\' '
-    "(roles: kv_producer, kv_consumer, kv_both; sets --kv-role)."
-)
-MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
-AUDIT_HELP = (
-    "Audit every KV write warmup makes (default: on, on every device); --no-audit skips it and the "
-    "report says 'audit off'."
-)
-AUDIT_SERVING_HELP = (
-    "Audit the KV writes of every serving step, as warmup is audited; a step that writes outside its "
-    "blocks fails with the request, group, position and slot (slower: a debugging and CI switch)."
-)
-SPEC_HELP = (
-    "Speculative decoding: METHOD[:K][@DRAFT] (e.g. eagle3:3, dflash:7, draft_model:3@./draft) or vLLM JSON."
-)
-
-
-QUIET_HELP = "No start-up progress and only errors from the log (stderr)."
-VERBOSE_HELP = "Log each start-up phase (INFO, stderr) besides the progress display."
-
-
-def _quiet_option() -> Any:
-    return typer.Option(False, "--quiet", "-q", help=QUIET_HELP)
-
-
-def _verbose_option() -> Any:
-    return typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP)
-
 
 @contextmanager
 def _watched_startup(*, quiet: bool, verbose: bool) -> Iterator[None]:
@@ -150,64 +131,13 @@ def _one_of(*, quiet: bool, verbose: bool) -> None:
         raise WarmcapError("--quiet and --verbose contradict each other: pass at most one")
 
 
-def _engine_config(
-    *,
-    model: str,
-    spec: str | None,
-    block_size: int = 16,
-    max_model_len: int | None = None,
-    num_blocks: int | None = None,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 512,
-    mamba_cache_mode: str = "none",
-    dtype: str = "float32",
-    device: str = "auto",
-    kv_role: str = "none",
-    batch_invariant: bool = False,
-    enforce_eager: bool = False,
-    kv_transfer_config: str | None = None,
-    tensor_parallel_size: int = 1,
-):
-    from warmcap.config import (
-        CacheConfig,
-        EngineConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        SpeculativeConfig,
-    )
+def engine_config(model: str, values: dict[str, Any]):
+    """The :class:`EngineConfig` of an engine command: every engine option it was given (its own
+    parameters and those ``cli_options.engine_options`` added), through the one table of
+    ``engine_args.py``, as ``LLM(model, **values)`` would build it."""
+    from warmcap.engine_args import ARGS_BY_NAME, build_config
 
-    return EngineConfig(
-        model=ModelConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            batch_invariant=batch_invariant,
-            enforce_eager=enforce_eager,
-        ),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, mamba_cache_mode=mamba_cache_mode),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        ),
-        speculative=SpeculativeConfig.parse(spec),
-        kv_role=kv_role,
-        kv_transfer=KVTransferConfig.parse(kv_transfer_config),
-        tensor_parallel_size=tensor_parallel_size,
-    )
-
-
-def _tp_option(*, for_plan: bool = False) -> Any:
-    """``--tensor-parallel-size N``: shard the model over N ranks (this process and N-1 workers)."""
-    extra = (
-        " The plan is the same for every rank, so it does not change the output."
-        if for_plan
-        else " Rank 0 is this process, ranks 1..N-1 are spawned worker processes (gloo on CPU, NCCL on "
-        "CUDA); with RANK set (torchrun, several machines) every rank is started by the launcher and "
-        "this command on RANK > 0 serves as a worker."
-    )
-    return typer.Option(1, "--tensor-parallel-size", "-tp", help="Ranks to shard the model over." + extra)
+    return build_config(model, **{k: v for k, v in values.items() if k in ARGS_BY_NAME and v is not None})
 
 
 def _worker_if_launched(tensor_parallel_size: int, *, quiet: bool, verbose: bool) -> None:
@@ -235,52 +165,29 @@ def _run_worker(*, quiet: bool, verbose: bool, timeout_s: float | None = None) -
 
 @app.command()
 @_user_errors
+@engine_options(STARTUP)
 def plan(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    spec: str = typer.Option("none", "--spec", "--speculative-config", "-s", help=SPEC_HELP),
-    block_size: int = typer.Option(16, help="Tokens per KV block (a power of two)."),
-    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
-    num_blocks: int = typer.Option(
-        None, help="KV pool size in blocks, null block included (default: sized from memory)."
-    ),
-    max_num_seqs: int = typer.Option(8, help="Most requests in one step."),
-    max_num_batched_tokens: int = typer.Option(512, help="Token budget of one step."),
-    mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
-    kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
-    kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16 (sets the KV bytes per block)."),
-    device: str = typer.Option(
-        "auto", help="Device whose free memory sizes the pool: auto, cpu or cuda[:N]."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema: docs/warmup.md)."),
-    tensor_parallel_size: int = _tp_option(for_plan=True),
+    model: Model = "smollm2-135m",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the plan as JSON (schema: docs/warmup.md).")
+    ] = False,
+    **engine: Any,
 ) -> None:
-    """Plan warmup exactly as start-up will — same config, KV groups and pool — with no weights loaded."""
+    """Plan warmup exactly as start-up will — same config, KV groups and pool — with no weights loaded.
+
+    Takes every engine option of `warmup run` with the same defaults, so `warmup plan` with a run's
+    flags prints the plan that run executes.
+    """
     import json
+    from dataclasses import replace
 
     from warmcap.assembly import assemble_for_plan
     from warmcap.warmup.plan_view import render_plan
     from warmcap.warmup.planner import plan_warmup
 
-    config = _engine_config(
-        model=model,
-        spec=spec,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        mamba_cache_mode=mamba_cache_mode,
-        kv_role=kv_role,
-        kv_transfer_config=kv_transfer_config,
-        dtype=dtype,
-        device=device,
-        tensor_parallel_size=tensor_parallel_size,
-    )
-    from dataclasses import replace
-
-    if tensor_parallel_size > 1:
-        _refuse_unshardable(model, tensor_parallel_size)
+    config = engine_config(model, engine)
+    if config.tensor_parallel_size > 1:
+        _refuse_unshardable(model, config.tensor_parallel_size)
     # Rank 0 makes the plan and every rank runs it: the one-device plan (shapes, not shards).
     assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
@@ -310,46 +217,45 @@ def _refuse_unshardable(model: str, tensor_parallel_size: int) -> None:
 
 @app.command()
 @_user_errors
+@engine_options(GENERATE)
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    spec: str = typer.Option("none", "--spec", "--speculative-config", "-s", help=SPEC_HELP),
-    max_tokens: int = typer.Option(64, help="Most new tokens."),
-    temperature: float = typer.Option(0.0, help="0 is greedy."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
-    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: off)."),
-    seed: int = typer.Option(None, help="Per-request sampling seed."),
-    chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
-    max_model_len: int = typer.Option(
-        None,
-        help="Context limit (default: prompt + max_tokens, rounded up to a block; the model's if that is larger).",
-    ),
-    max_num_seqs: int = typer.Option(1, help="Most requests in one step (sets warmup and the graph sizes)."),
-    num_blocks: int = typer.Option(
-        None, help="KV pool size in blocks, null block included (default: sized from memory)."
-    ),
-    enforce_eager: bool = typer.Option(
-        None,
-        "--enforce-eager/--capture-graphs",
-        help="Capture no graphs, every step eager (default on CPU, where the static graph backend "
-        "replays eager code and capture would only delay the first token); graphs by default on CUDA.",
-    ),
-    dtype: str = typer.Option(
-        "float32", help="float32, bfloat16, float16 or auto (the checkpoint's dtype on CUDA, float32 on CPU)."
-    ),
-    batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
-    audit: bool = typer.Option(True, "--audit/--no-audit", help=AUDIT_HELP),
-    audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
-    tensor_parallel_size: int = _tp_option(),
-    quiet: bool = _quiet_option(),
-    verbose: bool = _verbose_option(),
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")],
+    model: Model = "smollm2-135m",
+    max_tokens: Annotated[int, typer.Option(help="Most new tokens.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: off).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Per-request sampling seed.")] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")
+    ] = True,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Context limit (default: prompt + max_tokens, rounded up to a block; the model's if that is larger)."
+        ),
+    ] = None,
+    enforce_eager: Annotated[
+        bool | None,
+        typer.Option(
+            "--enforce-eager/--capture-graphs",
+            help="Capture no graphs, every step eager (default on CPU, where the static graph backend "
+            "replays eager code and capture would only delay the first token); graphs by default on CUDA.",
+        ),
+    ] = None,
+    audit: Audit = True,
+    audit_serving: AuditServing = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    **engine: Any,
 ) -> None:
     """Generate text, streamed as it comes; with --spec, acceptance stats follow.
 
-    Start-up is sized for this one request (one sequence, a context of prompt + max_tokens), so
-    the first token comes soon; raise --max-num-seqs / --max-model-len to size it like a server.
+    Start-up is sized for this one request (one sequence, a context of prompt + max_tokens, a step
+    budget of min(512, context)), so the first token comes soon; raise --max-num-seqs /
+    --max-model-len to size it like a server.
     """
-    _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
+    _worker_if_launched(engine["tensor_parallel_size"], quiet=quiet, verbose=verbose)
     from warmcap.config import SpeculativeConfig
     from warmcap.llm import LLM
     from warmcap.models.loader import load_tokenizer
@@ -360,32 +266,29 @@ def generate(
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
     )
-    speculative = SpeculativeConfig.parse(spec)
+    speculative = SpeculativeConfig.parse(engine["speculative_config"])
     tokenizer = load_tokenizer(resolve_model_path(model))
     use_chat = chat and getattr(tokenizer, "chat_template", None) is not None
     prompt_ids = _prompt_ids(tokenizer, prompt, chat=use_chat)
     if max_model_len is None:
         lookahead = speculative.num_speculative_tokens if speculative else 0
-        max_model_len = request_context_len(len(prompt_ids), max_tokens, lookahead, block_size=16)
-        max_model_len = _within_model_limit(model, max_model_len)
+        wanted = request_context_len(len(prompt_ids), max_tokens, lookahead, block_size=engine["block_size"])
+        max_model_len = _within_model_limit(model, wanted)
+    if engine["max_num_batched_tokens"] is None:
+        engine["max_num_batched_tokens"] = max(engine["max_num_seqs"], min(512, max_model_len or 512))
     if enforce_eager is None:
         from warmcap.assembly import resolve_device
 
-        enforce_eager = resolve_device("auto").type != "cuda"
+        enforce_eager = resolve_device(engine["device"]).type != "cuda"
+    flat = {k: v for k, v in engine.items() if v is not None}
     with _watched_startup(quiet=quiet, verbose=verbose):
         llm = LLM(
             model,
-            speculative_config=None if spec == "none" else spec,
             max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(max_num_seqs, min(512, max_model_len)),
-            num_blocks=num_blocks,
             enforce_eager=enforce_eager,
-            dtype=dtype,
-            batch_invariant=batch_invariant,
             audit=audit,
             audit_serving=audit_serving,
-            tensor_parallel_size=tensor_parallel_size,
+            **flat,
         )
     out = Console()
     try:
@@ -446,53 +349,43 @@ def _spec_stats(llm) -> str | None:
 
 # ---- warmup run ----------------------------------------------------------------------------------
 
-DEFAULT_RUN_SPEC = "draft_model:2"
-
 
 @app.command()
 @_user_errors
+@engine_options(STARTUP)
 def run(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    spec: str = typer.Option(
-        DEFAULT_RUN_SPEC,
-        "--spec",
-        "--speculative-config",
-        "-s",
-        help=SPEC_HELP + " Default: the model drafts for itself, a method that writes draft KV.",
-    ),
-    max_num_seqs: int = typer.Option(4, help="Most requests in one step (sets the graph sizes)."),
-    max_num_batched_tokens: int = typer.Option(256, help="Token budget of one step."),
-    max_model_len: int = typer.Option(1024, help="Context limit."),
-    block_size: int = typer.Option(16, help="Tokens per KV block."),
-    num_blocks: int = typer.Option(None, help="KV pool size in blocks (default: sized from memory)."),
-    mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
-    capture_sizes: str = typer.Option(None, help="Comma-separated token counts to capture, e.g. 1,2,4,8."),
-    backend: str = typer.Option(
-        None, help="Graph backend: cuda, static or compile (default: cuda on a GPU, else static)."
-    ),
-    audit: bool = typer.Option(True, "--audit/--no-audit", help=AUDIT_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
-    out: str = typer.Option(None, "--out", "-o", help="Also write the JSON report to this file."),
-    strict: bool = typer.Option(False, help="Exit non-zero when any graph fails verification."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
-    batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
-    audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
-    quiet: bool = _quiet_option(),
-    verbose: bool = _verbose_option(),
-    kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
-    tensor_parallel_size: int = _tp_option(),
-    startup_cache: bool = typer.Option(
-        True,
-        "--startup-cache/--no-startup-cache",
-        help="Reuse graph verdicts of an identical earlier start (one graph per phase is still "
-        "verified); the cache is $WARMCAP_STARTUP_CACHE or startup/ in the warmcap cache.",
-    ),
+    model: Model = "smollm2-135m",
+    capture_sizes: CaptureSizes = None,
+    backend: Backend = None,
+    audit: Audit = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
+    ] = False,
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Also write the JSON report to this file.")
+    ] = None,
+    strict: Annotated[bool, typer.Option(help="Exit non-zero when any graph fails verification.")] = False,
+    audit_serving: AuditServing = False,
+    startup_cache: Annotated[
+        bool,
+        typer.Option(
+            "--startup-cache/--no-startup-cache",
+            help="Reuse graph verdicts of an identical earlier start (one graph per phase is still "
+            "verified); the cache is $WARMCAP_STARTUP_CACHE or startup/ in the warmcap cache.",
+        ),
+    ] = True,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    **engine: Any,
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
-    Exits 1 on any warmup audit violation (always) or failed graph verification (with --strict).
+    The default engine is a quick one (draft_model:2 — the model drafts for itself, a method that
+    writes draft KV — 4 sequences, 256 tokens a step, a 1024-token context); `warmup plan` takes the
+    same options and defaults. Exits 1 on any warmup audit violation (always) or failed graph
+    verification (with --strict).
     """
-    _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
+    _worker_if_launched(engine["tensor_parallel_size"], quiet=quiet, verbose=verbose)
     from pathlib import Path
 
     from warmcap.graphs.capture.sizes import parse_capture_sizes
@@ -500,25 +393,13 @@ def run(
     from warmcap.startup import run_startup
     from warmcap.warmup.hook import VIOLATION_ADVICE
 
-    config = _engine_config(
-        model=model,
-        spec=spec,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        mamba_cache_mode=mamba_cache_mode,
-        dtype=dtype,
-        batch_invariant=batch_invariant,
-        kv_transfer_config=kv_transfer_config,
-        tensor_parallel_size=tensor_parallel_size,
-    )
+    config = engine_config(model, engine)
     if out:
         _check_out_path(out)
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     console = Console()
     if not as_json:
+        spec = config.speculative.short() if config.speculative else "none"
         console.print(
             f"[bold]warmup run[/] {model} spec={spec}: loading, warmup with audit, graph capture ..."
         )
@@ -638,74 +519,51 @@ def _load_report(path: str):
 
 @app.command()
 @_user_errors
+@engine_options(SERVE)
 def serve(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    spec: str = typer.Option("none", "--spec", "-s", help=SPEC_HELP),
-    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8000, help="Port to listen on."),
-    api_key: str = typer.Option(
-        None, envvar="WARMCAP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* requests."
-    ),
-    max_num_seqs: int = typer.Option(8, help="Most requests in one step (sets the graph sizes)."),
-    max_num_batched_tokens: int = typer.Option(512, help="Token budget of one step."),
-    max_model_len: int = typer.Option(None, help="Context limit (default: the model's)."),
-    block_size: int = typer.Option(16, help="Tokens per KV block."),
-    num_blocks: int = typer.Option(None, help="KV pool size in blocks (default: sized from memory)."),
-    mamba_cache_mode: str = typer.Option("none", help="Mamba state caching: none, all or align."),
-    capture_sizes: str = typer.Option(None, help="Comma-separated token counts to capture, e.g. 1,2,4,8."),
-    backend: str = typer.Option(
-        None, help="Graph backend: cuda, static or compile (default: cuda on a GPU, else static)."
-    ),
-    kv_role: str = typer.Option("none", help="P/D role: none, producer or consumer."),
-    kv_transfer_config: str = typer.Option(None, help=KV_TRANSFER_HELP),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
-    batch_invariant: bool = typer.Option(False, "--batch-invariant", help=BATCH_INVARIANT_HELP),
-    enforce_eager: bool = typer.Option(
-        False, "--enforce-eager", help="Capture no graphs: every step runs eagerly (start-up is faster)."
-    ),
-    audit: bool = typer.Option(True, "--audit/--no-audit", help=AUDIT_HELP),
-    audit_serving: bool = typer.Option(False, "--audit-serving", help=AUDIT_SERVING_HELP),
-    tensor_parallel_size: int = _tp_option(),
-    poison_free_kv: bool = typer.Option(
-        False,
-        "--poison-free-kv",
-        help="Debug: fill every free KV block with a large poison value before the first request (a visible read of KV never written changes the output).",
-    ),
-    model_threads: int = typer.Option(
-        None,
-        "--model-threads",
-        help="CPU threads for the model (torch intra-op). Default: all cores but one, left to the HTTP side.",
-    ),
-    quiet: bool = _quiet_option(),
-    verbose: bool = _verbose_option(),
+    model: Model = "smollm2-135m",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="WARMCAP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* requests."),
+    ] = None,
+    capture_sizes: CaptureSizes = None,
+    backend: Backend = None,
+    audit: Audit = True,
+    audit_serving: AuditServing = False,
+    poison_free_kv: Annotated[
+        bool,
+        typer.Option(
+            "--poison-free-kv",
+            help="Debug: fill every free KV block with a large poison value before the first request "
+            "(a visible read of KV never written changes the output).",
+        ),
+    ] = False,
+    model_threads: Annotated[
+        int | None,
+        typer.Option(
+            "--model-threads",
+            help="CPU threads for the model (torch intra-op). Default: all cores but one, left to the HTTP side.",
+        ),
+    ] = None,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
+    **engine: Any,
 ) -> None:
     """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
 
+    Sized for serving by default (8 sequences, 512 tokens a step, the model's context).
     Exits 2 when the model or options given are unusable (as every command does), 1 when start-up
     finds a stray KV write, graphs that do not replay like eager, or fails otherwise; 0 after
     SIGINT/SIGTERM.
     """
-    _worker_if_launched(tensor_parallel_size, quiet=quiet, verbose=verbose)
+    _worker_if_launched(engine["tensor_parallel_size"], quiet=quiet, verbose=verbose)
     from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.serve.app import ServeOptions
     from warmcap.serve.server import serve as run_server
 
-    config = _engine_config(
-        model=model,
-        spec=spec,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        mamba_cache_mode=mamba_cache_mode,
-        dtype=dtype,
-        kv_role=kv_role,
-        kv_transfer_config=kv_transfer_config,
-        batch_invariant=batch_invariant,
-        enforce_eager=enforce_eager,
-        tensor_parallel_size=tensor_parallel_size,
-    )
+    config = engine_config(model, engine)
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     options = ServeOptions(
         api_key=api_key,
@@ -742,8 +600,8 @@ def worker(
         help="Seconds to wait for rank 0 to open the group, and for any one collective "
         "(default: the group's collective timeout, 60).",
     ),
-    quiet: bool = _quiet_option(),
-    verbose: bool = _verbose_option(),
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Serve as tensor-parallel rank RANK > 0 of an engine whose ranks a launcher started.
 
@@ -760,8 +618,8 @@ def worker(
 @app.command()
 @_user_errors
 def accept(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help=MODEL_HELP),
-    spec: str = typer.Option(..., "--spec", "--speculative-config", "-s", help=SPEC_HELP),
+    spec: Spec,
+    model: Model = "smollm2-135m",
     url: str = typer.Option(
         None, help="Measure the OpenAI server (or P/D proxy) at this URL instead of an in-process engine."
     ),
@@ -781,8 +639,8 @@ def accept(
     max_tokens: int = typer.Option(None, help="New tokens per prompt (default: the baseline's, else 24)."),
     prompts: str = typer.Option(None, help="A JSONL prompt set (default: the shipped one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
-    quiet: bool = _quiet_option(),
-    verbose: bool = _verbose_option(),
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Measure speculative acceptance on a fixed prompt set and compare it with a stored baseline.
 

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from warmcap.errors import ConfigError
 from warmcap.spec_methods import METHODS, SpecMethod, spec_method
 
@@ -115,6 +117,53 @@ class SchedulerConfig:
         )
 
 
+class _SpeculativeJSON(BaseModel):
+    """The keys of a vLLM-style speculative config object (values are checked by the dataclass)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: str
+    num_speculative_tokens: int = 1
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+
+class _KVTransferJSON(BaseModel):
+    """The keys of a P/D KV transfer object in the reference engine's form."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kv_connector: str
+    kv_role: str
+    engine_id: str | None = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_buffer_device: str = "cpu"
+    kv_connector_extra_config: dict[str, object] = {}
+
+
+def _validated_json(model: type[BaseModel], data: dict, what: str, example: str) -> dict:
+    """``data`` checked against ``model`` (keys, required keys, types), as keyword arguments for
+    the dataclass; the first problem becomes one :class:`ConfigError` naming the key and the value."""
+    try:
+        return model.model_validate(data).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        known = sorted(model.model_fields)
+        unknown = sorted(str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden")
+        if unknown:
+            raise ConfigError(f"unknown {what} keys {unknown}: known keys are {known}") from None
+        missing = [str(e["loc"][0]) for e in exc.errors() if e["type"] == "missing"]
+        if missing:
+            names = ", ".join(f'"{m}"' for m in missing)
+            raise ConfigError(f"{what} needs {names}, e.g. {example}") from None
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(
+            f"{what} {key}: {first['msg'].lower()} (got {first.get('input')!r}); e.g. {example}"
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Speculative decoding: method, k draft tokens, optional draft model and method options."""
@@ -193,17 +242,8 @@ class SpeculativeConfig:
 
     @classmethod
     def _from_mapping(cls, data: dict) -> SpeculativeConfig:
-        known = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max"}
-        unknown = sorted(set(data) - known)
-        _require(not unknown, f"unknown speculative config keys {unknown}: known keys are {sorted(known)}")
-        _require("method" in data, 'speculative JSON needs "method", e.g. {"method": "eagle3", ...}')
-        return cls(
-            method=data["method"],
-            num_speculative_tokens=data.get("num_speculative_tokens", 1),
-            model=data.get("model"),
-            prompt_lookup_min=data.get("prompt_lookup_min", 1),
-            prompt_lookup_max=data.get("prompt_lookup_max", 4),
-        )
+        fields = _validated_json(_SpeculativeJSON, data, "speculative config", '{"method": "eagle3", ...}')
+        return cls(**fields)
 
     def short(self) -> str:
         """The short form ``METHOD:K[@DRAFT]``."""
@@ -271,14 +311,11 @@ class KVTransferConfig:
                     '\'{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}\''
                 ) from None
         _require(isinstance(value, dict), f"kv_transfer_config must be a JSON object; got {value!r}")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        _require(not unknown, f"unknown kv_transfer_config keys {unknown}: known keys are {sorted(known)}")
-        missing = [k for k in ("kv_connector", "kv_role") if k not in value]
-        _require(
-            not missing,
-            f"kv_transfer_config needs {missing}, e.g. "
-            + '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}',
+        value = _validated_json(
+            _KVTransferJSON,
+            value,
+            "kv_transfer_config",
+            '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}',
         )
         return cls(**value)
 

@@ -6,111 +6,23 @@ from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from warmcap.config import (
-    DTYPES,
-    CacheConfig,
-    EngineConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
-from warmcap.engine import DEFAULT_STARTUP_HOOKS, LLMEngine, resolve_device
+from warmcap.engine import DEFAULT_STARTUP_HOOKS, LLMEngine
+from warmcap.engine_args import ENGINE_KWARGS, auto_dtype, build_config
 from warmcap.errors import ConfigError
-from warmcap.models.presets import resolve_model_path
 from warmcap.outputs import RequestOutput
 from warmcap.prompts import PromptType, split_prompt
 from warmcap.sampling_params import SamplingParams
 from warmcap.warmup.hook import warmup_hook
 
-_KWARG_TARGETS: dict[str, tuple[str, str]] = {
-    "dtype": ("model", "dtype"),
-    "device": ("model", "device"),
-    "seed": ("model", "seed"),
-    "enforce_eager": ("model", "enforce_eager"),
-    "batch_invariant": ("model", "batch_invariant"),
-    "attention_backend": ("model", "attention_backend"),
-    "block_size": ("cache", "block_size"),
-    "num_blocks": ("cache", "num_blocks"),
-    "memory_fraction": ("cache", "memory_fraction"),
-    # vLLM's name for the share of device memory the engine may take (here: the KV pool's share).
-    "gpu_memory_utilization": ("cache", "memory_fraction"),
-    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "mamba_cache_mode": ("cache", "mamba_cache_mode"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "max_model_len": ("scheduler", "max_model_len"),
-    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
-}
-LLM_KWARGS: tuple[str, ...] = (
-    *_KWARG_TARGETS,
-    "speculative_config",
-    "kv_role",
-    "kv_transfer_config",
-    "tensor_parallel_size",
-)
-
-
-def build_config(model: str, **kwargs: Any) -> EngineConfig:
-    """An :class:`EngineConfig` from ``LLM``'s flat keyword arguments.
-
-    ``dtype="auto"`` is resolved here: see :func:`auto_dtype`.
-    """
-    unknown = sorted(set(kwargs) - set(LLM_KWARGS))
-    if unknown:
-        raise ConfigError(f"unknown LLM argument(s) {unknown}; valid: {', '.join(sorted(LLM_KWARGS))}")
-    if "memory_fraction" in kwargs and "gpu_memory_utilization" in kwargs:
-        raise ConfigError(
-            "memory_fraction and gpu_memory_utilization name the same setting: pass only one "
-            f"(got {kwargs['memory_fraction']} and {kwargs['gpu_memory_utilization']})"
-        )
-    if kwargs.get("dtype") == "auto":
-        kwargs["dtype"] = auto_dtype(model, kwargs.get("device", "auto"))
-    parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
-    for name, value in kwargs.items():
-        if name in _KWARG_TARGETS:
-            part, attr = _KWARG_TARGETS[name]
-            parts[part][attr] = value
-    try:
-        cache = CacheConfig(**parts["cache"])
-    except ConfigError as exc:
-        if "gpu_memory_utilization" not in kwargs:
-            raise
-        # The user passed vLLM's name: the message names it, not warmcap's field it maps to.
-        raise ConfigError(str(exc).replace("memory_fraction", "gpu_memory_utilization")) from None
-    return EngineConfig(
-        model=ModelConfig(**parts["model"]),
-        cache=cache,
-        scheduler=SchedulerConfig(**parts["scheduler"]),
-        speculative=SpeculativeConfig.parse(kwargs.get("speculative_config")),
-        kv_role=kwargs.get("kv_role", "none"),
-        kv_transfer=KVTransferConfig.parse(kwargs.get("kv_transfer_config")),
-        tensor_parallel_size=kwargs.get("tensor_parallel_size", 1),
-    )
-
-
-def auto_dtype(model: str, device: str = "auto") -> str:
-    """``dtype="auto"``: the checkpoint's own dtype (``torch_dtype`` in its config.json, float32 when
-    absent) on CUDA, and float32 on CPU.
-
-    NOTE: vLLM's auto runs float32 checkpoints in float16; warmcap keeps float32, and on CPU (its
-    reference path, where parity with ``transformers`` is tested) it always computes in float32.
-    """
-    if resolve_device(device).type != "cuda":
-        return "float32"
-    from warmcap.models.loader import load_hf_config
-
-    hf_config = load_hf_config(resolve_model_path(model))
-    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    name = str(named).removeprefix("torch.") if named is not None else "float32"
-    return name if name in DTYPES else "float32"
+#: ``LLM``'s keyword arguments besides the model: every option of ``engine_args.ENGINE_ARGS``.
+LLM_KWARGS: tuple[str, ...] = ENGINE_KWARGS
 
 
 class LLM:
     """Offline generation: ``LLM("smollm2-135m").generate(["Hello"], SamplingParams(max_tokens=8))``.
 
     Keyword arguments are vLLM's where warmcap has the setting (``gpu_memory_utilization``,
-    ``dtype="auto"``, ``speculative_config``, ``tensor_parallel_size``, ...); see :data:`LLM_KWARGS`.
+    ``dtype="auto"``, ``speculative_config``, ``tensor_parallel_size``, ...); see :data:`LLM_KWARGS` (the table in ``engine_args.py``).
     With ``tensor_parallel_size=N`` the model is sharded over this process (rank 0) and N-1
     worker processes; :meth:`shutdown` stops them.
     """

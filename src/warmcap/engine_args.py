@@ -1,0 +1,228 @@
+"""One table from flat engine options to an :class:`EngineConfig`.
+
+``LLM(**kwargs)``, the ``warmup`` commands (``plan``, ``run``, ``generate``, ``serve``) and so the
+server all name an engine setting the same way — vLLM's keyword — and turn it into the config
+through :func:`build_config` alone. A setting added to :data:`ENGINE_ARGS` reaches every surface:
+``LLM`` accepts it, and every engine command gets a ``--flag`` for it (``cli_options.py``);
+``tests/test_engine_args.py`` holds each surface to that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from warmcap.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_ROLES,
+    MAMBA_CACHE_MODES,
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from warmcap.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArg:
+    """One flat engine option: its name (``LLM`` keyword; ``--name-with-dashes`` on the command
+    line), where it lands in :class:`EngineConfig` (``part`` None: a field of the config itself)
+    and the help the command line shows."""
+
+    name: str
+    part: str | None
+    attr: str
+    help: str
+    #: shown on the command line (``seed`` is not: ``warmup generate --seed`` is the request's)
+    cli: bool = True
+    #: the same setting under another ``LLM`` keyword (vLLM's), refused when given together
+    alias: str | None = None
+
+
+SPEC_HELP = (
+    "Speculative decoding: METHOD[:K]\\[@DRAFT] (e.g. eagle3:3, dflash:7, draft_model:3@./draft), "
+    'vLLM JSON such as \'{"method": "ngram", "num_speculative_tokens": 4}\', or none.'
+)
+KV_TRANSFER_HELP = (
+    'P/D KV transfer as JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}\' '
+    "(roles: kv_producer, kv_consumer, kv_both; sets --kv-role)."
+)
+
+ENGINE_ARGS: tuple[EngineArg, ...] = (
+    EngineArg(
+        "dtype",
+        "model",
+        "dtype",
+        f"Weights and KV dtype: {', '.join(DTYPES)} or auto (the checkpoint's on CUDA, float32 on CPU).",
+    ),
+    EngineArg(
+        "device",
+        "model",
+        "device",
+        "Device to run on (and whose free memory sizes the pool): auto, cpu or cuda[:N].",
+    ),
+    EngineArg("seed", "model", "seed", "Seed of the engine's random state.", cli=False),
+    EngineArg(
+        "enforce_eager",
+        "model",
+        "enforce_eager",
+        "Capture no graphs: every step runs eagerly (start-up is faster).",
+    ),
+    EngineArg(
+        "batch_invariant",
+        "model",
+        "batch_invariant",
+        "Fixed-shape GEMM tiles: a token's output never depends on its batch, so graph replays equal "
+        "eager steps bit for bit (slower; Llama-family models).",
+    ),
+    EngineArg(
+        "attention_backend",
+        "model",
+        "attention_backend",
+        f"Attention of full and sliding-window layers: {', '.join(ATTENTION_BACKENDS)}.",
+    ),
+    EngineArg("block_size", "cache", "block_size", "Tokens per KV block (a power of two)."),
+    EngineArg(
+        "num_blocks",
+        "cache",
+        "num_blocks",
+        "KV pool size in blocks, null block included (default: sized from memory).",
+    ),
+    EngineArg(
+        "gpu_memory_utilization",
+        "cache",
+        "memory_fraction",
+        "Share of the device's free memory the weights and KV pool may take, in (0, 1].",
+        alias="memory_fraction",
+    ),
+    EngineArg(
+        "enable_prefix_caching",
+        "cache",
+        "enable_prefix_caching",
+        "Prefix caching: on (refused for a model that cannot serve hits), off, or unset (on where "
+        "every KV group can serve hits).",
+    ),
+    EngineArg(
+        "mamba_cache_mode",
+        "cache",
+        "mamba_cache_mode",
+        f"Mamba state caching: {', '.join(MAMBA_CACHE_MODES)}.",
+    ),
+    EngineArg(
+        "max_num_seqs",
+        "scheduler",
+        "max_num_seqs",
+        "Most requests in one step (sets warmup and the graph sizes).",
+    ),
+    EngineArg("max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "Token budget of one step."),
+    EngineArg(
+        "max_model_len",
+        "scheduler",
+        "max_model_len",
+        "Context limit in tokens; None (auto on the command line): the model's own (max_position_embeddings).",
+    ),
+    EngineArg(
+        "enable_chunked_prefill",
+        "scheduler",
+        "enable_chunked_prefill",
+        "Split long prompts over steps to fit the token budget.",
+    ),
+    EngineArg("speculative_config", None, "speculative", SPEC_HELP),
+    EngineArg("kv_role", None, "kv_role", f"P/D role: {', '.join(KV_ROLES)}."),
+    EngineArg("kv_transfer_config", None, "kv_transfer", KV_TRANSFER_HELP),
+    EngineArg(
+        "tensor_parallel_size",
+        None,
+        "tensor_parallel_size",
+        "Ranks to shard the model over: rank 0 is this process, ranks 1..N-1 are spawned workers "
+        "(gloo on CPU, NCCL on CUDA); with RANK set (torchrun, several machines) every rank is started "
+        "by the launcher and the command on RANK > 0 serves as a worker.",
+    ),
+)
+
+ARGS_BY_NAME: dict[str, EngineArg] = {a.name: a for a in ENGINE_ARGS}
+_ALIASES: dict[str, EngineArg] = {a.alias: a for a in ENGINE_ARGS if a.alias}
+#: every keyword :func:`build_config` (and so ``LLM``) takes besides the model
+ENGINE_KWARGS: tuple[str, ...] = (*ARGS_BY_NAME, *_ALIASES)
+_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def build_config(model: str, **kwargs: Any) -> EngineConfig:
+    """An :class:`EngineConfig` from flat options named as in :data:`ENGINE_ARGS`.
+
+    An error names the option as the caller spelled it (``gpu_memory_utilization``, not the
+    config's ``memory_fraction``). ``dtype="auto"`` is resolved here (:func:`auto_dtype`).
+    """
+    unknown = sorted(set(kwargs) - set(ENGINE_KWARGS))
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s) {unknown}; valid: {', '.join(sorted(ENGINE_KWARGS))}")
+    given: dict[str, tuple[str, Any]] = {}  # canonical name -> (name as given, value)
+    for name, value in kwargs.items():
+        arg = ARGS_BY_NAME.get(name) or _ALIASES[name]
+        if arg.name in given:
+            other = given[arg.name]
+            raise ConfigError(
+                f"{other[0]} and {name} name the same setting: pass only one (got {other[1]} and {value})"
+            )
+        given[arg.name] = (name, value)
+    if given.get("dtype", (None, None))[1] == "auto":
+        device = given.get("device", (None, "auto"))[1]
+        given["dtype"] = ("dtype", auto_dtype(model, device))
+    parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+    spelled: dict[str, str] = {}
+    for canonical, (name, value) in given.items():
+        arg = ARGS_BY_NAME[canonical]
+        if arg.part is not None:
+            parts[arg.part][arg.attr] = value
+            spelled[arg.attr] = name
+    built = {part: _build_part(cls, parts[part], spelled) for part, cls in _PARTS.items()}
+
+    def top(name: str, default: Any) -> Any:
+        return given.get(name, (name, default))[1]
+
+    return EngineConfig(
+        model=built["model"],
+        cache=built["cache"],
+        scheduler=built["scheduler"],
+        speculative=SpeculativeConfig.parse(top("speculative_config", None)),
+        kv_role=top("kv_role", "none"),
+        kv_transfer=KVTransferConfig.parse(top("kv_transfer_config", None)),
+        tensor_parallel_size=top("tensor_parallel_size", 1),
+    )
+
+
+def _build_part(cls: type, values: dict[str, Any], spelled: dict[str, str]) -> Any:
+    """``cls(**values)``; a refusal that names a config field the caller spelled otherwise is
+    re-worded with the caller's name."""
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        message = str(exc)
+        for attr, name in spelled.items():
+            if name != attr and message.startswith(attr):
+                raise ConfigError(name + message[len(attr) :]) from None
+        raise
+
+
+def auto_dtype(model: str, device: str = "auto") -> str:
+    """``dtype="auto"``: the checkpoint's own dtype (``torch_dtype`` in its config.json, float32 when
+    absent) on CUDA, and float32 on CPU.
+
+    NOTE: vLLM's auto runs float32 checkpoints in float16; warmcap keeps float32, and on CPU (its
+    reference path, where parity with ``transformers`` is tested) it always computes in float32.
+    """
+    from warmcap.assembly import resolve_device
+
+    if resolve_device(device).type != "cuda":
+        return "float32"
+    from warmcap.models.loader import load_hf_config
+    from warmcap.models.presets import resolve_model_path
+
+    hf_config = load_hf_config(resolve_model_path(model))
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(named).removeprefix("torch.") if named is not None else "float32"
+    return name if name in DTYPES else "float32"
