@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding ``warmcap/``
+_PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # holds ``warmcap/`` (this is warmcap/graphs/proof/)
 #: ops that only ask for metadata (device, sizes): touching a host copy's shape reads no data
 _METADATA_NAMESPACES = ("prim",)
 
