@@ -23,7 +23,8 @@ Built in:
 - ``slot_mapping`` (CUDA): the Triton slot-mapping kernel, compiled for real, against torch;
 - ``tensor_parallel`` (CUDA, 2+ GPUs): ``warmup run`` at TP=2 audited and verified on both ranks,
   greedy TP=2 == TP=1;
-- ``audit_cost``: start-up with the warmup audit and without it (``--no-audit``), same engine.
+- ``audit_cost``: start-up with the warmup audit and without it (``--no-audit``), same engine;
+- ``host_syncs`` (CUDA): synchronising CUDA calls a decode step (one: the step's token fetch).
 """
 
 from __future__ import annotations
@@ -493,6 +494,47 @@ def audit_cost(ctx: CheckContext) -> dict[str, Any]:
             f"(warmup {on['warmup_s']:.2f}s, {on['slots_checked']} slots, {on['violations']} violations) "
             f"vs {off['startup_s']:.2f}s without (warmup {off['warmup_s']:.2f}s)"
         ],
+    }
+
+
+@check("host_syncs", cuda_only=True)
+def host_syncs(ctx: CheckContext) -> dict[str, Any]:
+    """Synchronising CUDA calls per decode step (``torch.cuda.set_sync_debug_mode``): one is the
+    step's fetch of its tokens (``runner_v2/host_copy.py``); more means a host read crept back."""
+    import warnings
+
+    from warmcap.engine import LLMEngine
+    from warmcap.graphs.startup import capture_graphs
+    from warmcap.sampling_params import SamplingParams
+
+    rows = []
+    for spec in (None, "ngram:2"):
+        case = EngineCase("smollm2-135m", "bfloat16", spec)
+        engine = LLMEngine(ctx.config(case), startup_hooks=[])
+        try:
+            capture_graphs(engine.runner, engine.kv_cache_manager, backend=ctx.backend)
+            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            for prompt in ctx.prompts:
+                engine.add_request(prompt, params)
+            engine.step()  # prefill
+            steps, syncs = 0, 0
+            while engine.has_unfinished():
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with warnings.catch_warnings(record=True) as seen:
+                        warnings.simplefilter("always")
+                        engine.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                syncs += sum("synchroniz" in str(w.message) for w in seen)
+                steps += 1
+        finally:
+            engine.shutdown()
+        rows.append({"engine": case.label, "steps": steps, "syncs": syncs, "per_step": syncs / max(steps, 1)})
+    return {
+        "ok": all(r["per_step"] <= 1.0 for r in rows),
+        "engines": rows,
+        "summary": [f"{r['engine']}: {r['per_step']:.2f} synchronising calls a decode step" for r in rows],
     }
 
 

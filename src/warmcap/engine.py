@@ -439,8 +439,9 @@ class LLMEngine:
         if sched_out.is_empty or logits is None or step is None or not step.num_logits.any():
             return None
         counts = step.num_logits.tolist()
-        finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
-        if not bool(finite.all()):
+        # The runner fetched the batch's verdict with the tokens; only a bad batch reads again.
+        if not self.runner.last_logits_finite:
+            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
             owners = [r for r, n in zip(step.req_ids, counts, strict=True) for _ in range(n)]
             req_ids = sorted({owners[i] for i in (~finite).nonzero().flatten().tolist()})
             raise NonFiniteLogitsError(

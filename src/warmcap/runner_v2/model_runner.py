@@ -26,11 +26,12 @@ from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.collaborators import Drafter, DraftPass, GraphDispatcher
 from warmcap.runner_v2.draft_buffers import DraftBuffers, draft_writes
+from warmcap.runner_v2.host_copy import HostCopy
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
 from warmcap.runner_v2.kv_writes import KVWriteLog
 from warmcap.runner_v2.mamba_state import MambaStates
-from warmcap.runner_v2.rejection import greedy_verify, probabilistic_verify
+from warmcap.runner_v2.rejection import Verified, greedy_verify_on_device, probabilistic_verify_on_device
 from warmcap.runner_v2.sampler import Sampler, SamplingMetadata, row_argmax
 from warmcap.runner_v2.step_buffers import StepBuffers
 
@@ -151,6 +152,11 @@ class ModelRunner:
         # Sampling logits [N, V] of the latest step (rows as in ``logits_hook``), for logprobs and
         # the engine's non-finite check.
         self.last_logits: torch.Tensor | None = None
+        # Whether every row of ``last_logits`` is finite, fetched with the sampled tokens (the
+        # engine's check reads it instead of reading the device again); None without logits.
+        self.last_logits_finite: bool | None = None
+        # The step's one device-to-host copy (tokens, accepted counts, the finite flag).
+        self.host_copy = HostCopy(self.device)
         # Target layers whose input hidden states drafters read (EAGLE-3, DFlash); filled per forward.
         self.aux_hidden_state_layers: tuple[int, ...] = drafter.aux_layers if drafter is not None else ()
         self.last_aux_hidden_states: list[torch.Tensor] = []
@@ -385,10 +391,10 @@ class ModelRunner:
         """Sampling settings for logits rows taken from persistent-batch ``rows``."""
         b = self.batch
         return SamplingMetadata.from_rows(
-            temperature=torch.from_numpy(b.temperature[rows]),
-            top_k=torch.from_numpy(b.top_k[rows]),
-            top_p=torch.from_numpy(b.top_p[rows]),
-            min_p=torch.from_numpy(b.min_p[rows]),
+            temperature=b.temperature[rows],
+            top_k=b.top_k[rows],
+            top_p=b.top_p[rows],
+            min_p=b.min_p[rows],
             generators=[b.generators[i] for i in rows.tolist()],
         )
 
@@ -401,25 +407,39 @@ class ModelRunner:
         meta = self.sampling_metadata(np.repeat(step.rows, step.num_logits))
         drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]
         greedy = self._greedy_argmax(rows, step, meta)
+        finite: list[torch.Tensor] = []
+        result: torch.Tensor | Verified
         if greedy is not None:
             # No full logits this step: the engine's logprobs and non-finite check see none (the
             # screen refuses non-finite rows, which then take the full path below).
             self.last_logits = None
-            produced = greedy_verify(greedy, drafts) if any(drafts) else [[t] for t in greedy.tolist()]
+            result = greedy_verify_on_device(greedy, drafts) if any(drafts) else greedy
         else:
             logits = self.model.compute_logits(rows)
             self.last_logits = logits
+            # NaN or Inf anywhere in a row makes its sum non-finite: one reduction for the batch.
+            finite = [torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()]
             if self.logits_hook is not None:
                 self.logits_hook(step.req_ids, step.num_logits, logits)
             logits = self.batch.process_logits(logits, step)
             if not any(drafts):
-                produced = [[t] for t in self.sampler(logits, meta).tolist()]
+                result = self.sampler(logits, meta)
             elif meta.all_greedy:
-                produced = greedy_verify(row_argmax(logits), drafts)
+                result = greedy_verify_on_device(row_argmax(logits), drafts)
             else:
-                produced = self._verify_random(logits, meta, step, drafts)
+                result = self._verify_random(logits, meta, step, drafts)
+        produced = self._fetch(result, finite)
         it = iter(produced)
         return [next(it) if s else [] for s in samples]
+
+    def _fetch(self, result: torch.Tensor | Verified, finite: list[torch.Tensor]) -> list[list[int]]:
+        """The step's tokens on the host, with the finite flag, in one copy and one wait."""
+        parts = result.parts if isinstance(result, Verified) else [result]
+        host = self.host_copy.fetch([*parts, *finite])
+        self.last_logits_finite = bool(host[-1]) if finite else None
+        if isinstance(result, Verified):
+            return Verified.emit(host[0], host[1])
+        return [[t] for t in host[0].tolist()]
 
     def _greedy_argmax(
         self, rows: torch.Tensor, step: StepInputs, meta: SamplingMetadata
@@ -436,7 +456,7 @@ class ModelRunner:
 
     def _verify_random(
         self, logits: torch.Tensor, meta: SamplingMetadata, step: StepInputs, drafts: list[list[int]]
-    ) -> list[list[int]]:
+    ) -> Verified:
         """Speculative sampling over the processed target distribution (greedy rows one-hot)."""
         probs = self.sampler.probs(logits, meta)
         greedy = (meta.temperature <= 0).to(probs.device)
@@ -444,7 +464,7 @@ class ModelRunner:
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         rows = step.rows[step.num_logits > 0].tolist()
         req_ids = [r for r, n in zip(step.req_ids, step.num_logits.tolist(), strict=True) if n]
-        return probabilistic_verify(
+        return probabilistic_verify_on_device(
             probs,
             self._pending_draft_probs(req_ids, drafts, probs),
             drafts,

@@ -7,7 +7,10 @@ drafts owns one row and simply gets the token the target picks there, so a verif
 sampler of a whole batch.
 
 Each verifier returns, per request, the accepted draft tokens followed by one token chosen by the
-target (the correction at the first rejection, or the bonus after all drafts were accepted).
+target (the correction at the first rejection, or the bonus after all drafts were accepted). The
+``*_on_device`` forms stop before any host read and return :class:`Verified` (device tensors): the
+runner fetches them with the step's other outputs in one copy (``runner_v2/host_copy.py``); the
+draft layout goes the other way in one non-blocking copy.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from warmcap.runner_v2.host_copy import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +32,14 @@ class _Layout:
     target_rows: torch.Tensor  # int64 [R, K + 1]; column j clamped to the request's bonus row
     draft_rows: torch.Tensor  # int64 [R, K]; rows of draft_probs (clamped, masked by ``valid``)
     num_drafts: torch.Tensor  # int64 [R]
+    total_drafts: int  # sum of num_drafts, known on the host
 
 
 def _layout(draft_token_ids: Sequence[Sequence[int]], device: torch.device) -> _Layout:
-    num = torch.tensor([len(d) for d in draft_token_ids], dtype=torch.int64)
-    num_reqs = len(draft_token_ids)
-    k = int(num.max()) if num_reqs else 0
+    """Built on the host, then moved as one tensor (one non-blocking copy, no wait)."""
+    lens = [len(d) for d in draft_token_ids]
+    num = torch.tensor(lens, dtype=torch.int64)
+    num_reqs, k, total = len(lens), max(lens, default=0), sum(lens)
     drafts = torch.full((num_reqs, k), -1, dtype=torch.int64)
     for i, d in enumerate(draft_token_ids):
         if d:
@@ -43,13 +50,17 @@ def _layout(draft_token_ids: Sequence[Sequence[int]], device: torch.device) -> _
     draft_start = torch.cumsum(num, 0) - num
     draft_rows = draft_start[:, None] + torch.minimum(cols[None, :k], (num - 1).clamp(min=0)[:, None])
     # Requests with no drafts point past the end; their columns are masked, so any valid row will do.
-    draft_rows = draft_rows.clamp(max=max(int(num.sum()) - 1, 0))
+    draft_rows = draft_rows.clamp(max=max(total - 1, 0))
+    packed = to_device(torch.cat([drafts, target_rows, draft_rows, num[:, None]], dim=1), device)
+    drafts, target_rows, draft_rows, num = packed.split([k, k + 1, k, 1], dim=1)
+    num = num.squeeze(1)
     return _Layout(
-        drafts=drafts.to(device),
-        valid=(cols[None, :k] < num[:, None]).to(device),
-        target_rows=target_rows.to(device),
-        draft_rows=draft_rows.to(device),
-        num_drafts=num.to(device),
+        drafts=drafts,
+        valid=torch.arange(k, device=device)[None, :] < num[:, None],
+        target_rows=target_rows,
+        draft_rows=draft_rows,
+        num_drafts=num,
+        total_drafts=total,
     )
 
 
@@ -58,10 +69,28 @@ def _check_rows(name: str, tensor: torch.Tensor, expected: int) -> None:
         raise ValueError(f"{name} has {tensor.shape[0]} rows; the drafts need {expected}")
 
 
-def _emit(chosen: torch.Tensor, num_accepted: torch.Tensor) -> list[list[int]]:
-    """Row ``i`` of ``chosen`` truncated to ``num_accepted[i] + 1`` tokens."""
-    rows = chosen.tolist()
-    return [row[: n + 1] for row, n in zip(rows, num_accepted.tolist(), strict=True)]
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A verifier's result still on the device: per request, the chosen tokens ``[R, K + 1]`` and
+    how many leading drafts were accepted ``[R]``."""
+
+    chosen: torch.Tensor
+    num_accepted: torch.Tensor
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """What to copy to the host for :meth:`emit`."""
+        return [self.chosen, self.num_accepted]
+
+    @staticmethod
+    def emit(chosen: torch.Tensor, num_accepted: torch.Tensor) -> list[list[int]]:
+        """Row ``i`` of host ``chosen`` truncated to ``num_accepted[i] + 1`` tokens."""
+        rows = chosen.tolist()
+        return [row[: n + 1] for row, n in zip(rows, num_accepted.tolist(), strict=True)]
+
+    def tokens(self) -> list[list[int]]:
+        """The tokens per request (a host read of its own)."""
+        return self.emit(self.chosen.cpu(), self.num_accepted.cpu())
 
 
 def greedy_verify(target_argmax: torch.Tensor, draft_token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -69,14 +98,21 @@ def greedy_verify(target_argmax: torch.Tensor, draft_token_ids: Sequence[Sequenc
 
     ``target_argmax`` is int [sum(n_i + 1)] in the row layout of the module docstring.
     """
+    return greedy_verify_on_device(target_argmax, draft_token_ids).tokens()
+
+
+def greedy_verify_on_device(
+    target_argmax: torch.Tensor, draft_token_ids: Sequence[Sequence[int]]
+) -> Verified:
+    """:func:`greedy_verify` without the host read."""
     lay = _layout(draft_token_ids, target_argmax.device)
-    _check_rows("target_argmax", target_argmax, int(lay.num_drafts.sum()) + len(draft_token_ids))
+    _check_rows("target_argmax", target_argmax, lay.total_drafts + len(draft_token_ids))
     target = target_argmax.to(torch.int64)[lay.target_rows]  # [R, K + 1]
     k = lay.drafts.shape[1]
     match = (lay.drafts == target[:, :k]) & lay.valid
     num_accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)
     # Accepted drafts equal the target's argmax, so the target row itself is the output.
-    return _emit(target, num_accepted)
+    return Verified(target, num_accepted)
 
 
 def _draw_noise(
@@ -122,12 +158,22 @@ def probabilistic_verify(
     - ``generators``: one per request (``None`` entries use the global generator); a seeded
       generator makes that request's output independent of the rest of the batch.
     """
+    return probabilistic_verify_on_device(target_probs, draft_probs, draft_token_ids, generators).tokens()
+
+
+def probabilistic_verify_on_device(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> Verified:
+    """:func:`probabilistic_verify` without the host read."""
     device = target_probs.device
     num_reqs = len(draft_token_ids)
     lay = _layout(draft_token_ids, device)
-    _check_rows("target_probs", target_probs, int(lay.num_drafts.sum()) + num_reqs)
+    _check_rows("target_probs", target_probs, lay.total_drafts + num_reqs)
     if draft_probs is not None:
-        _check_rows("draft_probs", draft_probs, int(lay.num_drafts.sum()))
+        _check_rows("draft_probs", draft_probs, lay.total_drafts)
     if generators is None:
         generators = [None] * num_reqs
     if len(generators) != num_reqs:
@@ -169,7 +215,7 @@ def probabilistic_verify(
 
     chosen = torch.cat([safe_drafts, torch.zeros(num_reqs, 1, dtype=torch.int64, device=device)], dim=1)
     chosen[rows, num_accepted] = sampled
-    return _emit(chosen, num_accepted)
+    return Verified(chosen, num_accepted)
 
 
 def num_accepted_drafts(outputs: Sequence[Sequence[int]]) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 #: columns per block of :func:`row_argmax`'s first pass
@@ -54,23 +55,28 @@ class SamplingMetadata:
     @classmethod
     def from_rows(
         cls,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        min_p: torch.Tensor,
+        temperature: torch.Tensor | np.ndarray,
+        top_k: torch.Tensor | np.ndarray,
+        top_p: torch.Tensor | np.ndarray,
+        min_p: torch.Tensor | np.ndarray,
         generators: list[torch.Generator | None],
     ) -> SamplingMetadata:
-        random = temperature > 0
+        """From host arrays (the persistent batch's numpy rows, or CPU tensors); the flags are
+        worked out on the host, so building the metadata never reads a device."""
+        temp, k, p, mp = (
+            a if isinstance(a, np.ndarray) else a.numpy() for a in (temperature, top_k, top_p, min_p)
+        )
+        random = temp > 0
         return cls(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
+            temperature=torch.as_tensor(temp),
+            top_k=torch.as_tensor(k),
+            top_p=torch.as_tensor(p),
+            min_p=torch.as_tensor(mp),
             generators=generators,
             all_greedy=not bool(random.any()),
-            any_top_k=bool(((top_k > 0) & random).any()),
-            any_top_p=bool(((top_p < 1) & random).any()),
-            any_min_p=bool(((min_p > 0) & random).any()),
+            any_top_k=bool(((k > 0) & random).any()),
+            any_top_p=bool(((p < 1) & random).any()),
+            any_min_p=bool(((mp > 0) & random).any()),
         )
 
 

@@ -1,0 +1,59 @@
+"""The one device-to-host copy of a step: what the scheduler needs back (sampled tokens, accepted
+draft counts, the non-finite flag) packed into one pinned buffer, copied without blocking, and
+waited for once.
+
+On CUDA each ``.tolist()`` / ``.item()`` / ``bool()`` of a device tensor is a copy that stalls the
+host until the GPU has drained its queue; a verify step used to make four. Here the parts are
+flattened into one int64 tensor on the device, copied into page-locked memory with
+``non_blocking=True``, and an event recorded after the copy is the only wait. On CPU the parts are
+host tensors already and come back as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class HostCopy:
+    """Device-to-host fetches of small integer outputs through one reusable pinned buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned: torch.Tensor | None = None
+
+    def fetch(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of ``parts`` (integer or bool tensors, any shapes), with one wait.
+
+        NOTE: on CUDA the results are views of the pinned buffer, valid until the next fetch: turn
+        them into Python values (``tolist``) before fetching again.
+        """
+        if self.device.type != "cuda":
+            return [p.to("cpu") for p in parts]
+        flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+        pinned = self._buffer(flat.numel())[: flat.numel()]
+        pinned.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        out, start = [], 0
+        for p in parts:
+            n = p.numel()
+            host = pinned[start : start + n].view(p.shape)
+            out.append(host.to(torch.bool) if p.dtype == torch.bool else host)
+            start += n
+        return out
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        if self._pinned is None or self._pinned.numel() < numel:
+            self._pinned = torch.empty(max(numel, 1024), dtype=torch.int64, pin_memory=True)
+        return self._pinned
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without blocking the host: staged through page-locked memory on CUDA
+    (a copy from pageable memory waits for the stream)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
