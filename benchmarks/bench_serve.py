@@ -2,6 +2,12 @@
 against offline ``generate`` on the same engine and the same workload.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_serve.py [--model smollm2-135m] [--max-tokens 32]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_serve.py --default-flags --concurrency 1,32
+
+``--default-flags`` builds the engine as ``warmup serve --model M`` does (``max_num_seqs`` 8,
+``max_num_batched_tokens`` 512, the model's own ``max_model_len``, the graph backend and capture
+sizes start-up picks) instead of sizing it for the workload; every level's tokens/s is also given
+as a ratio to one client's, the check that concurrent clients are never served slower in total.
 
 Greedy, ``ignore_eos``: every request produces exactly ``max_tokens``. One engine is started once (the
 audited start-up of ``warmup serve``); offline ``generate`` over all prompts is timed on it first,
@@ -132,7 +138,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=32, help="Most requests per level (<= 32 prompts).")
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--capture-sizes", default="1,2,4,8,16,32")
+    ap.add_argument(
+        "--capture-sizes",
+        default=None,
+        help="Token counts to capture (default 1,2,4,8,16,32; with --default-flags, start-up's choice).",
+    )
+    ap.add_argument(
+        "--default-flags",
+        action="store_true",
+        help="Engine as `warmup serve --model M` builds it with no other flag, not sized for the workload.",
+    )
+    ap.add_argument("--enforce-eager", action="store_true", help="Capture no graphs (warmup serve's flag).")
+    ap.add_argument("--spec", default=None, help="Speculative config, as warmup serve's --spec.")
     ap.add_argument("--level-seconds", type=float, default=120.0)
     ap.add_argument("--time-limit", type=float, default=900.0)
     ap.add_argument(
@@ -165,17 +182,28 @@ def main() -> None:
 
     prompts = load_prompts(args.num_requests)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.default_flags:
+        # NOTE: `warmup serve`'s defaults (cli.py); prefix caching stays on, as it is there.
+        sizing: dict[str, object] = {"max_num_seqs": 8, "max_num_batched_tokens": 512}
+        capture = args.capture_sizes
+    else:
+        sizing = {
+            "max_num_seqs": max(levels),
+            "max_num_batched_tokens": 2048,
+            "max_model_len": 512,
+            "enable_prefix_caching": False,
+        }
+        capture = args.capture_sizes or "1,2,4,8,16,32"
     config = build_config(
-        args.model,
-        device="cpu",
-        max_num_seqs=max(levels),
-        max_num_batched_tokens=2048,
-        max_model_len=512,
-        enable_prefix_caching=False,
+        args.model, device="cpu", enforce_eager=args.enforce_eager, speculative_config=args.spec, **sizing
     )
-    started = start_engine(config, capture_sizes=parse_capture_sizes(args.capture_sizes))
+    started = start_engine(config, capture_sizes=parse_capture_sizes(capture) if capture else None)
     engine = started.engine
-    print(f"start-up {time.perf_counter() - started_at:.1f} s; refusal: {started.refusal}")
+    print(
+        f"start-up {time.perf_counter() - started_at:.1f} s; refusal: {started.refusal}; "
+        f"max_num_seqs {engine.config.scheduler.max_num_seqs}, max_model_len {engine.config.max_model_len}, "
+        f"graphs: {'none' if engine.graph_startup is None else 'captured'}"
+    )
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
@@ -213,11 +241,14 @@ def main() -> None:
                 client_level, base_url, args.model, prompts, c, args.max_tokens, min(args.level_seconds, left)
             ).result()
             r["vs_offline"] = r["tokens_per_s"] / offline_tps
+            one = next((x for x in results if x["concurrency"] == 1), None)
+            r["vs_one_client"] = r["tokens_per_s"] / one["tokens_per_s"] if one else None
             results.append(r)
             print(
                 f"c={c:>2}: {r['requests']} req in {r['seconds']:.1f} s, {r['requests_per_s']:.2f} req/s, "
-                f"{r['tokens_per_s']:.1f} tok/s ({r['vs_offline']:.2f}x offline); "
-                f"TTFT p50/p90/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p90'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms; "
+                f"{r['tokens_per_s']:.1f} tok/s ({r['vs_offline']:.2f}x offline"
+                + (f", {r['vs_one_client']:.2f}x one client); " if r["vs_one_client"] else "); ")
+                + f"TTFT p50/p90/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p90'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms; "
                 f"ITL p50/p90/p99 {r['itl_p50'] * 1e3:.1f}/{r['itl_p90'] * 1e3:.1f}/{r['itl_p99'] * 1e3:.1f} ms"
             )
         clients.shutdown()
@@ -229,6 +260,9 @@ def main() -> None:
             {
                 "model": args.model,
                 "max_tokens": args.max_tokens,
+                "default_flags": args.default_flags,
+                "enforce_eager": args.enforce_eager,
+                "spec": args.spec,
                 "offline_tokens_per_s": offline_tps,
                 "levels": results,
             }

@@ -6,6 +6,8 @@ a 400 naming it; status codes and response fields as vLLM's server gives them.""
 from __future__ import annotations
 
 import contextlib
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -404,3 +406,48 @@ def test_a_closed_plain_request_stops_generating(server) -> None:
     time.sleep(0.3)
     assert metric(server.metrics(), "vllm:generation_tokens_total") == after  # nothing runs on
     assert after - generated < 240
+
+
+def test_a_failed_step_ends_its_own_requests_only(server, offline, monkeypatch) -> None:
+    """A step that fails (here: a forward raising) ends the requests it ran with a 500; a request
+    waiting in the queue meanwhile runs afterwards and completes with its own text."""
+    engine = server.state.loop.engine
+    step, execute = engine.step, engine.runner.execute_model
+    armed = threading.Event()
+
+    def slow_step():  # a slower model: the running streams are still running when the step fails
+        time.sleep(0.02)
+        return step()
+
+    def failing_execute(sched_out):
+        if armed.is_set() and engine.scheduler.waiting:
+            armed.clear()
+            raise RuntimeError("injected forward failure")
+        return execute(sched_out)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    monkeypatch.setattr(engine.runner, "execute_model", failing_execute)
+    body = {"model": MODEL, "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}
+    url = server.base_url + "/v1/completions"
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8))[0].text
+    with contextlib.ExitStack() as held, ThreadPoolExecutor(1) as pool:
+        streams = [
+            held.enter_context(httpx.stream("POST", url, json={**body, "prompt": f"Run {i}:"})).iter_lines()
+            for i in range(8)
+        ]
+        for it in streams:
+            assert next(line for line in it if line).startswith("data: {")
+        queued = pool.submit(_post, server, "/v1/completions", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        start = time.monotonic()
+        while metric(server.metrics(), "vllm:num_requests_waiting") < 1:
+            assert time.monotonic() - start < 30
+            time.sleep(0.01)
+        armed.set()
+        answer = queued.result(timeout=60)
+        for it in streams:
+            events = [line for line in it if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert "injected forward failure" in json.loads(events[-2][len("data: ") :])["error"]["message"]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == want
+    _freed_within(server, 1.0)

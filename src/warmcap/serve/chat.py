@@ -17,8 +17,11 @@ class ChatPrompt:
     messages: tuple[tuple[str, str, str | None], ...]
 
 
-def chat_token_ids(tokenizer: Any, messages: Sequence[tuple[str, str, str | None]], model: str) -> list[int]:
-    """Render ``(role, content, name)`` messages with the template and encode the text as is.
+def chat_token_ids(
+    tokenizer: Any, messages: Sequence[tuple[str, str] | tuple[str, str, str | None]], model: str
+) -> list[int]:
+    """Render ``(role, content)`` or ``(role, content, name)`` messages with the template and encode
+    the text as is.
 
     NOTE: the template writes any BOS itself, so the text is encoded without special tokens;
     encoding with them would give a second BOS.
@@ -33,7 +36,7 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[tuple[str, str, str | None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _message(role: str, content: str, name: str | None) -> dict[str, str]:
+def _message(role: str, content: str, name: str | None = None) -> dict[str, str]:
     return (
         {"role": role, "content": content}
         if name is None

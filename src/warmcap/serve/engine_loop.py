@@ -296,7 +296,10 @@ class EngineLoop:
             if isinstance(exc, AuditViolationError):
                 self.audit_failed_steps += 1
             log.exception("warmcap: engine step failed")
-            self._end_all(engine, f"the engine failed: {type(exc).__name__}: {exc}", status=500)
+            # The engine aborted the step's own requests; the rest (queued, loading) go on. A step
+            # that aborted none cannot be told from the next, so then every request ends.
+            ended = [r for r in self._sinks if r not in engine.scheduler.requests] or list(self._sinks)
+            self._end(engine, ended, f"the engine failed: {type(exc).__name__}: {exc}", status=500)
             return
         now = time.monotonic()
         for out in outputs:
@@ -329,11 +332,15 @@ class EngineLoop:
         )
 
     def _end_all(self, engine: LLMEngine, reason: str, status: int = 503) -> None:
-        for request_id, sink in list(self._sinks.items()):
+        self._end(engine, list(self._sinks), reason, status)
+
+    def _end(self, engine: LLMEngine, request_ids: list[str], reason: str, status: int) -> None:
+        for request_id in request_ids:
+            sink = self._sinks.pop(request_id)
             engine.abort(request_id)
             self._metrics.observe_end("abort", None)
             sink.put(EngineFailure(reason, status))
-        self._sinks.clear()
+        self._observe(engine, num_batched=0)
 
     def _stop(self, engine: LLMEngine, reason: str, pending: list[_Add | _Abort | _Stop]) -> None:
         with self._lock:
