@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from paged_metadata import paged_metadata
 from warmcap.config import ATTENTION_BACKENDS
 from warmcap.contracts import PAD_SLOT_ID
+from warmcap.errors import ConfigError
+from warmcap.runner_v2.attention import selector
 from warmcap.runner_v2.attention.selector import select_backend
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention, write_kv
 from warmcap.runner_v2.attention.triton_paged import TritonPagedAttention, launch_shape
@@ -187,5 +189,16 @@ def test_the_launch_is_sized_from_static_sizes_only():
 
 def test_triton_is_a_named_backend_that_needs_cuda():
     assert "triton" in ATTENTION_BACKENDS
-    with pytest.raises(Exception, match="CUDA"):
+    with pytest.raises(ConfigError, match="CUDA"):
         select_backend("cpu", name="triton")
+
+
+def test_auto_on_cuda_picks_triton_without_flashinfer_and_torch_for_batch_invariance(monkeypatch):
+    """Selection only (no kernel runs): CUDA reported present, FlashInfer not importable."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(selector, "flashinfer_available", lambda: False)
+    assert isinstance(select_backend("cuda"), TritonPagedAttention)
+    assert isinstance(select_backend("cuda", name="triton"), TritonPagedAttention)
+    invariant = select_backend("cuda", batch_invariant=True)
+    assert isinstance(invariant, TorchPagedAttention)
+    assert isinstance(select_backend("cpu"), TorchPagedAttention)

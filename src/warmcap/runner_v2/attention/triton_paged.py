@@ -241,6 +241,15 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    """The kernels address a token's heads as ``slot * stride + head * D + x``."""
+    d = kv_cache.shape[4]
+    if kv_cache.stride(4) != 1 or kv_cache.stride(3) != d:
+        raise ValueError(
+            f"the KV cache must be contiguous in its heads and head dim; strides {kv_cache.stride()}"
+        )
+
+
 def write_kv_triton(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -249,6 +258,7 @@ def write_kv_triton(
     t = k.shape[0]
     if t == 0:
         return
+    _check_cache(kv_cache)
     _, _, _, hkv, d = kv_cache.shape
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -304,6 +314,7 @@ def paged_attention_triton(
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     group = hq // hkv
+    _check_cache(kv_cache)
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     r = meta.num_reqs
     if t == 0:
