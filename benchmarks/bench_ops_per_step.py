@@ -8,8 +8,9 @@ Counts (``src/warmcap/op_count.py``) one eager decode step at batch 1, two ways 
 - ``torch``: the path CUDA runs without the fused ops, with the compiled CPU kernels switched off
   (``WARMCAP_CPU_LAYER_OPS``/``GEMM``/``ATTENTION=torch``: plain ``nn.Linear``, torch RoPE and
   norms, gather + SDPA attention);
-- ``fused``: the same with the fused Triton ops of ``models/fused_ops.py`` attached, run by
-  Triton's interpreter on CPU (which is why ``TRITON_INTERPRET=1`` must be set).
+- ``fused``: the same with the fused Triton ops of ``models/fused_ops.py`` attached (and the
+  greedy head they give), run by Triton's interpreter on CPU (which is why ``TRITON_INTERPRET=1``
+  must be set).
 
 and, with ``--cpu-default``, the CPU's own default path (compiled kernels on; ops they run through
 ctypes are not seen by the profiler, so it reads low). Prints ops per step, per layer, per layer
@@ -42,9 +43,13 @@ def engine(model: str, dtype: str) -> LLMEngine:
 
 
 def with_fused(eng: LLMEngine) -> LLMEngine:
+    """``eng`` with the fused ops attached as the loader attaches them on CUDA, the greedy head
+    rebuilt as the runner builds it (``FusedGreedyHead`` for a plain bf16 head)."""
     from warmcap.models.fused_ops import FusedOps, attach_fused_ops
 
-    attach_fused_ops(eng.runner.model, FusedOps(torch.device("cpu")))
+    model = eng.runner.model
+    attach_fused_ops(model, FusedOps(torch.device("cpu")))
+    eng.runner.greedy_head = model.greedy_head()
     return eng
 
 
