@@ -226,6 +226,12 @@ def _run_worker(*, quiet: bool, verbose: bool, timeout_s: float | None = None) -
     return run_launched_worker(timeout_s=timeout_s)
 
 
+def _html_option(what: str) -> Any:
+    return typer.Option(
+        None, "--html", help=f"Also write {what} as one self-contained HTML page to this file."
+    )
+
+
 # ---- warmup plan ---------------------------------------------------------------------------------
 
 
@@ -250,6 +256,7 @@ def plan(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema: docs/warmup.md)."),
     tensor_parallel_size: int = _tp_option(for_plan=True),
+    html: str = _html_option("the plan's block layouts"),
 ) -> None:
     """Plan warmup exactly as start-up will — same config, KV groups and pool — with no weights loaded."""
     import json
@@ -279,7 +286,13 @@ def plan(
         _refuse_unshardable(model, tensor_parallel_size)
     # Rank 0 makes the plan and every rank runs it: the one-device plan (shapes, not shards).
     assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
+    if html:
+        _check_out_path(html, "--html")
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
+    if html:
+        from warmcap.pages.write import write_plan_page
+
+        write_plan_page(html, result, assembly.config)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -482,6 +495,7 @@ def run(
         help="Reuse graph verdicts of an identical earlier start (one graph per phase is still "
         "verified); the cache is $WARMCAP_STARTUP_CACHE or startup/ in the warmcap cache.",
     ),
+    html: str = _html_option("the report, with the warmup steps' block grids and audited writes,"),
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
 
@@ -509,8 +523,9 @@ def run(
         kv_transfer_config=kv_transfer_config,
         tensor_parallel_size=tensor_parallel_size,
     )
-    if out:
-        _check_out_path(out)
+    for path, flag in ((out, "--out"), (html, "--html")):
+        if path:
+            _check_out_path(path, flag)
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     console = Console()
     if not as_json:
@@ -531,6 +546,10 @@ def run(
     result.engine.shutdown()
     if out:
         Path(out).write_text(report.to_json())
+    if html:
+        from warmcap.pages.write import write_report_page
+
+        write_report_page(html, report.to_dict(), result.engine.warmup_result)
     if as_json:
         typer.echo(report.to_json())
     else:
@@ -564,44 +583,51 @@ def report(
         0.25, help="Relative capture-time growth that counts as a regression."
     ),
     memory_tolerance: float = typer.Option(0.10, help="Relative memory growth that counts as a regression."),
+    html: str = _html_option("the report (or the diff, side by side)"),
 ) -> None:
     """Render a saved capture report, or compare two (exit 1 on any regression, for CI)."""
     from warmcap.graphs.diff import diff_reports
     from warmcap.graphs.render import render, render_diff
+    from warmcap.pages import write as pages
 
     console = Console()
+    if html:
+        _check_out_path(html, "--html")
     if diff:
         old_path, new_path = diff
-        result = diff_reports(
-            _load_report(old_path),
-            _load_report(new_path),
-            time_tolerance=time_tolerance,
-            memory_tolerance=memory_tolerance,
-        )
+        old, new = _load_report(old_path), _load_report(new_path)
+        result = diff_reports(old, new, time_tolerance=time_tolerance, memory_tolerance=memory_tolerance)
         render_diff(result, console)
+        if html:
+            rows = [{"metric": r.metric, "old": r.old, "new": r.new, "status": r.status} for r in result.rows]
+            pages.write_diff_page(html, old.to_dict(), new.to_dict(), rows, (old_path, new_path))
         if result.has_regressions:
             raise typer.Exit(1)
         return
     if not file:
         raise WarmcapError("give a report FILE to render, or --diff OLD NEW")
-    render(_load_report(file), console)
+    loaded = _load_report(file)
+    render(loaded, console)
+    if html:
+        pages.write_report_page(html, loaded.to_dict())
 
 
-def _check_out_path(path: str) -> None:
+def _check_out_path(path: str, flag: str = "--out") -> None:
     """Refuse an output path that cannot be written, before a run spends minutes on the report."""
     import os
     from pathlib import Path
 
     p = Path(path)
+    example = "report.html" if flag == "--html" else "report.json"
     if p.is_dir():
-        raise WarmcapError(f"--out {path!r} is a folder: give a file path such as {str(p / 'report.json')!r}")
+        raise WarmcapError(f"{flag} {path!r} is a folder: give a file path such as {str(p / example)!r}")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise WarmcapError(
-            f"--out {path!r}: folder {str(parent)!r} does not exist: create it first (mkdir -p)"
+            f"{flag} {path!r}: folder {str(parent)!r} does not exist: create it first (mkdir -p)"
         )
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise WarmcapError(f"--out {path!r} is not writable: choose another path or fix its permissions")
+        raise WarmcapError(f"{flag} {path!r} is not writable: choose another path or fix its permissions")
 
 
 def _load_report(path: str):
