@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from page_dom import Page, check_numbers, network_references
 from typer.testing import CliRunner
 
@@ -119,3 +120,17 @@ def test_plan_html_to_a_missing_folder_is_one_clear_error(tmp_path):
     res = runner.invoke(app, [*PLAN_ARGS, "--html", str(tmp_path / "nope" / "plan.html")])
     assert res.exit_code == 2
     assert "--html" in res.output and "does not exist" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.real_model
+def test_default_models_plan_page_is_small_enough_to_attach(tmp_path):
+    out = tmp_path / "plan.html"
+    args = ["plan", "--spec", "draft_model:2", "--max-num-seqs", "4", "--max-num-batched-tokens", "256"]
+    args += ["--max-model-len", "1024"]
+    res = runner.invoke(app, [*args, "--html", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    html = out.read_text()
+    assert len(html.encode()) < 2 * 2**20
+    check_numbers(Page(html), {"": data})
+    assert network_references(html) == []

@@ -17,6 +17,8 @@ from warmcap.pages.html import STATE_COLOURS, esc, num
 _UNPOSITIONED = ("cross_attention",)
 #: widest a block's position strip is drawn, in pixels
 _MAX_STRIP = 128
+#: ``data-focus`` values: what the side panel shows when the page opens (the first of the lowest)
+FOCUS_STRAY, FOCUS_LOOKAHEAD = "1", "2"
 
 
 @dataclass(slots=True)
@@ -106,6 +108,14 @@ def _writes_text(writes: list[tuple[str, int, int]], lo: int, hi: int) -> str:
         for phase, ws in by_phase.items()
     ]
     return ("\nwritten here:\n" + "\n".join(lines)) if lines else ""
+
+
+def _crossing_text(how: str | None) -> str:
+    if how == "lookahead":
+        return "\nnew this step for the drafter's lookahead alone: no scheduled token lands here yet"
+    if how == "tokens":
+        return "\nnew this step: the scheduled tokens entered it"
+    return ""
 
 
 def step_grid(
@@ -199,6 +209,7 @@ def _block_row(
                 f"\ncomputed {req['num_computed_tokens']}, scheduled {req['num_scheduled_tokens']} "
                 f"(drafts {req['num_spec_tokens']}), lookahead {req.get('num_lookahead_tokens', lookahead)}"
             )
+            + _crossing_text(req.get("crossed", {}).get(name) if col == len(ids) - 1 else None)
             + _writes_text(writes, lo, hi)
             + "".join(f"\nSTRAY WRITE #{v['index']}: {v['text']}" for v in hits)
         )
@@ -209,9 +220,14 @@ def _block_row(
             else '<span class="id">null</span>'
         )
         strip = _strip(bs, col, ranges, written) if positioned else ""
+        # The panel opens on the first stray write, else on the first block only the lookahead took.
+        focus = FOCUS_STRAY if hits else ""
+        if not focus and col == len(ids) - 1 and req.get("crossed", {}).get(name) == "lookahead":
+            focus = FOCUS_LOOKAHEAD
         attrs = (
             f'class="{" ".join(cls)}" data-group="{esc(name)}" data-block="{block}" '
             f'data-step="{index}" data-info="{esc(info)}" tabindex="0"'
+            + (f' data-focus="{focus}"' if focus else "")
         )
         if hits:
             v = hits[0]
@@ -229,5 +245,5 @@ def _stray(v: dict[str, Any], where: str) -> str:
     info = f"STRAY WRITE #{v['index']}\n{v['text']}"
     return (
         f'<a class="stray" id="cell-v{v["index"]}" href="#v{v["index"]}" data-info="{esc(info)}" '
-        f'tabindex="0">{esc(where)}<br>block {v["block"]}<br>#{v["index"]}</a>'
+        f'data-focus="{FOCUS_STRAY}" tabindex="0">{esc(where)}<br>block {v["block"]}<br>#{v["index"]}</a>'
     )

@@ -82,6 +82,8 @@ document.querySelectorAll('[data-info]').forEach(function(el){
  el.addEventListener('mouseenter',function(){show(el);});
  el.addEventListener('focus',function(){show(el);});
 });
+var first=document.querySelector('[data-focus="1"]')||document.querySelector('[data-focus="2"]');
+if(first)show(first);
 document.body.setAttribute('data-rendered','1');
 })();
 """

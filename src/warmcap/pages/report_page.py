@@ -23,7 +23,9 @@ PHASE_COLOURS = {
     "verify": "#be4bdb",
     "smoke": "#69db7c",
 }
-_WIDTH = 900
+_WIDTH = 760
+#: room for the timeline's row labels
+_LABEL = 64
 
 
 def header(report: dict[str, Any]) -> str:
@@ -55,8 +57,8 @@ def timeline(report: dict[str, Any], detail: dict[str, Any] | None) -> str:
     timings = report["timings"]
     phases = [(k, v) for k, v in timings.items() if v is not None]
     total = sum(v for _, v in phases) or 1.0
-    scale = _WIDTH / total
-    rects, x, starts = [], 0.0, {}
+    scale = (_WIDTH - _LABEL) / total
+    rects, x, starts = ['<text x="0" y="15">start-up</text>'], float(_LABEL), {}
     for name, v in phases:
         w = v * scale
         starts[name] = x
@@ -69,23 +71,25 @@ def timeline(report: dict[str, Any], detail: dict[str, Any] | None) -> str:
         x += w
     rows = 1
     if detail is not None and "warmup" in starts:
-        rects.append(_sub_row(starts["warmup"], 26, list(detail["seconds"].items()), scale, "#ffd8a8"))
-        rows = 2
+        rects.append(f'<text x="0" y="{26 * rows + 14}">warmup</text>')
+        rects.append(_sub_row(starts["warmup"], 26 * rows, list(detail["seconds"].items()), scale, "#ffd8a8"))
+        rows += 1
     if "capture" in starts and report["graphs"]:
         segs = [(graph_label(g), g["capture_seconds"]) for g in report["graphs"]]
+        rects.append(f'<text x="0" y="{26 * rows + 14}">captures</text>')
         rects.append(_sub_row(starts["capture"], 26 * rows, segs, scale, "#bac8ff"))
         rows += 1
     table = "".join(
-        f'<tr><td><span class="sw" style="display:inline-block;width:10px;height:10px;'
+        f'<tr><td><span style="display:inline-block;width:10px;height:10px;'
         f'background:{PHASE_COLOURS[k]}"></span> {k}</td>'
         f'<td class="num">{num(seconds(v), f"timings/{k}") if v is not None else "-"}</td></tr>'
         for k, v in timings.items()
     )
-    height = 26 * rows
-    return (
-        f'<svg width="{_WIDTH}" height="{height}" role="img" aria-label="start-up timeline">{"".join(rects)}</svg>'
-        f"<table><tr><th>phase</th><th>seconds</th></tr>{table}</table>"
+    svg = (
+        f'<svg width="{_WIDTH}" height="{26 * rows}" role="img" aria-label="start-up timeline">'
+        f"{''.join(rects)}</svg>"
     )
+    return f'<div class="cols" style="align-items:flex-start"><div style="flex:0 0 auto">{svg}</div><table><tr><th>phase</th><th>time</th></tr>{table}</table></div>'
 
 
 def _sub_row(x0: float, y: int, segs: list[tuple[str, float]], scale: float, fill: str) -> str:
@@ -96,7 +100,7 @@ def _sub_row(x0: float, y: int, segs: list[tuple[str, float]], scale: float, fil
             f'<rect x="{x:.1f}" y="{y}" width="{max(w, 1):.1f}" height="20" fill="{fill}" stroke="#fff">'
             f"<title>{esc(label)}: {v:.3f} s</title></rect>"
         )
-        if w > 8 * len(label) * 0.75:
+        if w > 6 * len(label):
             out.append(f'<text x="{x + 3:.1f}" y="{y + 14}">{esc(label)}</text>')
         x += w
     return "".join(out)
