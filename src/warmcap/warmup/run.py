@@ -21,6 +21,7 @@ from warmcap.warmup.audit import AuditResult, audit_records
 
 if TYPE_CHECKING:
     from warmcap.core.kv_cache_manager import KVCacheManager
+    from warmcap.runner_v2.kv_writes import KVWriteRecord
     from warmcap.runner_v2.model_runner import ModelRunner
     from warmcap.warmup.plan import WarmupPlan
 
@@ -56,6 +57,9 @@ class WarmupResult:
     seconds: dict[str, float] = field(default_factory=dict)
     used_blocks: list[int] = field(default_factory=list)
     num_passes: int = 0
+    #: per plan step, the passes the audit checked (empty without the audit): what each pass wrote
+    #: where, for the report page (``warmcap.pages``)
+    step_writes: list[list[KVWriteRecord]] = field(default_factory=list)
 
 
 def used_block_ids(plan: WarmupPlan) -> list[int]:
@@ -101,6 +105,7 @@ def run_warmup(
                 if audit:
                     held = {r.req_id: r.blocks for r in step.requests}
                     result.audit.merge(audit_records(step.name, log.records, held, block_sizes))
+                    result.step_writes.append(list(log.records))
                 if on_step is not None:
                     on_step(i + 1, len(plan.steps), step.name)
     finally:
