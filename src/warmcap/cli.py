@@ -21,6 +21,7 @@ from warmcap.cli_options import (
     AuditServing,
     Backend,
     CaptureSizes,
+    Html,
     Model,
     Quiet,
     Spec,
@@ -171,6 +172,7 @@ def plan(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the plan as JSON (schema: docs/warmup.md).")
     ] = False,
+    html: Html = None,
     **engine: Any,
 ) -> None:
     """Plan warmup exactly as start-up will — same config, KV groups and pool — with no weights loaded.
@@ -190,7 +192,13 @@ def plan(
         _refuse_unshardable(model, config.tensor_parallel_size)
     # Rank 0 makes the plan and every rank runs it: the one-device plan (shapes, not shards).
     assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
+    if html:
+        _check_out_path(html, "--html")
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
+    if html:
+        from warmcap.pages.write import write_plan_page
+
+        write_plan_page(html, result, assembly.config)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
@@ -374,6 +382,7 @@ def run(
             "verified); the cache is $WARMCAP_STARTUP_CACHE or startup/ in the warmcap cache.",
         ),
     ] = True,
+    html: Html = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
     **engine: Any,
@@ -394,8 +403,9 @@ def run(
     from warmcap.warmup.hook import VIOLATION_ADVICE
 
     config = engine_config(model, engine)
-    if out:
-        _check_out_path(out)
+    for path, flag in ((out, "--out"), (html, "--html")):
+        if path:
+            _check_out_path(path, flag)
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     console = Console()
     if not as_json:
@@ -417,6 +427,10 @@ def run(
     result.engine.shutdown()
     if out:
         Path(out).write_text(report.to_json())
+    if html:
+        from warmcap.pages.write import write_report_page
+
+        write_report_page(html, report.to_dict(), result.engine.warmup_result)
     if as_json:
         typer.echo(report.to_json())
     else:
@@ -442,52 +456,61 @@ def run(
 @app.command()
 @_user_errors
 def report(
-    file: str = typer.Argument(None, help="A JSON report written by `warmup run --out`."),
-    diff: tuple[str, str] = typer.Option(
-        None, "--diff", help="OLD NEW: flag regressions of NEW against OLD."
-    ),
-    time_tolerance: float = typer.Option(
-        0.25, help="Relative capture-time growth that counts as a regression."
-    ),
-    memory_tolerance: float = typer.Option(0.10, help="Relative memory growth that counts as a regression."),
+    file: Annotated[str | None, typer.Argument(help="A JSON report written by `warmup run --out`.")] = None,
+    diff: Annotated[
+        tuple[str, str] | None, typer.Option("--diff", help="OLD NEW: flag regressions of NEW against OLD.")
+    ] = None,
+    time_tolerance: Annotated[
+        float, typer.Option(help="Relative capture-time growth that counts as a regression.")
+    ] = 0.25,
+    memory_tolerance: Annotated[
+        float, typer.Option(help="Relative memory growth that counts as a regression.")
+    ] = 0.10,
+    html: Html = None,
 ) -> None:
     """Render a saved capture report, or compare two (exit 1 on any regression, for CI)."""
     from warmcap.graphs.proof.diff import diff_reports
     from warmcap.graphs.proof.render import render, render_diff
+    from warmcap.pages import write as pages
 
     console = Console()
+    if html:
+        _check_out_path(html, "--html")
     if diff:
         old_path, new_path = diff
-        result = diff_reports(
-            _load_report(old_path),
-            _load_report(new_path),
-            time_tolerance=time_tolerance,
-            memory_tolerance=memory_tolerance,
-        )
+        old, new = _load_report(old_path), _load_report(new_path)
+        result = diff_reports(old, new, time_tolerance=time_tolerance, memory_tolerance=memory_tolerance)
         render_diff(result, console)
+        if html:
+            rows = [{"metric": r.metric, "old": r.old, "new": r.new, "status": r.status} for r in result.rows]
+            pages.write_diff_page(html, old.to_dict(), new.to_dict(), rows, (old_path, new_path))
         if result.has_regressions:
             raise typer.Exit(1)
         return
     if not file:
         raise WarmcapError("give a report FILE to render, or --diff OLD NEW")
-    render(_load_report(file), console)
+    loaded = _load_report(file)
+    render(loaded, console)
+    if html:
+        pages.write_report_page(html, loaded.to_dict())
 
 
-def _check_out_path(path: str) -> None:
+def _check_out_path(path: str, flag: str = "--out") -> None:
     """Refuse an output path that cannot be written, before a run spends minutes on the report."""
     import os
     from pathlib import Path
 
     p = Path(path)
+    example = "report.html" if flag == "--html" else "report.json"
     if p.is_dir():
-        raise WarmcapError(f"--out {path!r} is a folder: give a file path such as {str(p / 'report.json')!r}")
+        raise WarmcapError(f"{flag} {path!r} is a folder: give a file path such as {str(p / example)!r}")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise WarmcapError(
-            f"--out {path!r}: folder {str(parent)!r} does not exist: create it first (mkdir -p)"
+            f"{flag} {path!r}: folder {str(parent)!r} does not exist: create it first (mkdir -p)"
         )
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise WarmcapError(f"--out {path!r} is not writable: choose another path or fix its permissions")
+        raise WarmcapError(f"{flag} {path!r} is not writable: choose another path or fix its permissions")
 
 
 def _load_report(path: str):

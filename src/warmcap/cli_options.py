@@ -125,6 +125,15 @@ AuditServing = Annotated[
         "its blocks fails with the request, group, position and slot (slower: a debugging and CI switch).",
     ),
 ]
+Html = Annotated[
+    str | None,
+    typer.Option(
+        "--html",
+        help="Also write a self-contained HTML page to this file: the plan's block layouts (plan), "
+        "the report with the warmup steps' block grids and audited writes (run, report), or the diff "
+        "side by side (report --diff).",
+    ),
+]
 Quiet = Annotated[
     bool, typer.Option("--quiet", "-q", help="No start-up progress and only errors from the log (stderr).")
 ]
