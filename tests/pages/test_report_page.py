@@ -11,7 +11,7 @@ from page_dom import Page, check_numbers, network_references
 from typer.testing import CliRunner
 
 from warmcap.cli import app
-from warmcap.graphs.report import CaptureReport
+from warmcap.graphs.proof.report import CaptureReport
 
 runner = CliRunner()
 

@@ -28,7 +28,7 @@ def diff_page(
     old: dict[str, Any], new: dict[str, Any], rows: list[dict[str, str]], *, names: tuple[str, str]
 ) -> str:
     """``rows``: the compared metrics (``metric``, ``old``, ``new``, ``status``) of
-    ``graphs.diff.diff_reports``; ``names``: the two files, as the user gave them."""
+    ``graphs.proof.diff.diff_reports``; ``names``: the two files, as the user gave them."""
     regressions = [r for r in rows if r["status"] == "regression"]
     verdict = (
         f'<span class="badge fail">{len(regressions)} regression(s)</span>'

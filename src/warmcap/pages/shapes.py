@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmcap.graphs.descriptors import BatchDescriptor, BatchShape, CUDAGraphMode, Dispatcher
-from warmcap.graphs.sizes import default_capture_sizes, uniform_decode_sizes
+from warmcap.graphs.capture.descriptors import BatchDescriptor, BatchShape, CUDAGraphMode, Dispatcher
+from warmcap.graphs.capture.sizes import default_capture_sizes, uniform_decode_sizes
 
 #: report phases of graphs that serve a target step (the drafter's have their own passes)
 TARGET_PHASES = ("decode", "mixed", "sparse_mla")
