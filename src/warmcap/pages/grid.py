@@ -16,7 +16,7 @@ from warmcap.pages.html import STATE_COLOURS, esc, num
 #: a group whose blocks hold no token positions (encoder KV): drawn without position marks
 _UNPOSITIONED = ("cross_attention",)
 #: widest a block's position strip is drawn, in pixels
-_MAX_STRIP = 128
+_MAX_STRIP = 96
 #: ``data-focus`` values: what the side panel shows when the page opens (the first of the lowest)
 FOCUS_STRAY, FOCUS_LOOKAHEAD = "1", "2"
 

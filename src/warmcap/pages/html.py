@@ -27,14 +27,14 @@ STATE_EXPLAINED = {
 
 CSS = """
 body{font:13px/1.4 system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;color:#212529;background:#fff}
-main{padding:12px 20px;margin-right:300px}
+main{padding:12px 20px;margin-right:260px}
 h1{font-size:20px;margin:4px 0 8px}h2{font-size:16px;margin:18px 0 6px;border-bottom:1px solid #dee2e6}
 h3{font-size:14px;margin:4px 0}
 .meta{color:#495057}.meta b{color:#212529}
 table{border-collapse:collapse;margin:4px 0}td,th{padding:2px 8px;text-align:left;vertical-align:middle;white-space:nowrap}
 th{background:#f1f3f5;font-weight:600}tr+tr td{border-top:1px solid #f1f3f5}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
-.step{border:1px solid #ced4da;border-radius:6px;margin:10px 0;padding:6px 10px}
+.step{border:1px solid #ced4da;border-radius:6px;margin:10px 0;padding:6px 10px;overflow-x:auto}
 .step.bad{border:2px solid #c92a2a;background:#fff5f5}
 .shape{color:#495057;margin:2px 0 4px}.shape b{color:#212529}
 .row{display:flex;gap:3px;align-items:center;flex-wrap:nowrap}
@@ -57,7 +57,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.regression td{background:#ffe3e3}tr.improvement td{background:#ebfbee}tr.regression td.status{color:#c92a2a;font-weight:700}
 .samples li{margin:2px 0;font-family:ui-monospace,monospace;font-size:12px}
 .samples li:target{background:#fff3bf}
-#panel{position:fixed;top:0;right:0;width:280px;height:100%;overflow:auto;border-left:1px solid #dee2e6;
+#panel{position:fixed;top:0;right:0;width:250px;height:100%;overflow:auto;border-left:1px solid #dee2e6;
  background:#f8f9fa;padding:10px;box-sizing:border-box;font-size:12px}
 #panel pre{white-space:pre-wrap;font:12px/1.4 ui-monospace,monospace;margin:0}
 .cols{display:flex;gap:16px}.cols>div{flex:1;min-width:0}

@@ -121,9 +121,9 @@ def graph_table(report: dict[str, Any]) -> str:
         rows.append(
             f'<tr class="{"" if g["verified"] else "regression"}"><td>{esc(g["phase"])}</td><td>{esc(g["mode"])}</td>'
             f"<td>{g['num_tokens']}/{_opt(g['num_reqs'])}/{_opt(g['uniform_query_len'])}</td>"
-            f'<td><span class="bar" style="width:{120 * g["capture_seconds"] / most_s:.0f}px"></span>'
+            f'<td><span class="bar" style="width:{80 * g["capture_seconds"] / most_s:.0f}px"></span>'
             f"{num(seconds(g['capture_seconds']), p + '/capture_seconds')}</td>"
-            f'<td><span class="bar mem" style="width:{120 * g["memory_bytes"] / most_b:.0f}px"></span>'
+            f'<td><span class="bar mem" style="width:{80 * g["memory_bytes"] / most_b:.0f}px"></span>'
             f"{num(mib(g['memory_bytes']), p + '/memory_bytes')}</td>"
             f'<td class="num">{_opt_num(g["max_abs_diff"], p + "/max_abs_diff")}</td>'
             f'<td class="num">{_opt_num(g["real_rows_max_abs_diff"], p + "/real_rows_max_abs_diff")}</td>'
@@ -135,8 +135,10 @@ def graph_table(report: dict[str, Any]) -> str:
     cached = sum(g["verified_source"] == "cache" for g in graphs)
     return (
         "<table><tr><th>phase</th><th>mode</th><th>shape t/r/q</th><th>capture</th>"
-        f"<th>{memory}</th><th>|replay − eager|</th><th>real rows</th><th>greedy</th><th>verified</th>"
-        f"<th>verdict from</th><th>CUDA-safe</th></tr>{''.join(rows)}</table>"
+        f"<th>{memory}</th><th>|replay − eager|</th><th>real rows</th>"
+        "<th title='greedy tokens of replay equal eager&#39;s'>greedy</th><th>verified</th>"
+        "<th title='run: checked in this start-up; cache: the start-up cache'>source</th><th>CUDA-safe</th></tr>"
+        f"{''.join(rows)}</table>"
         f"<p><b>totals</b> {num(str(t['count']), 'totals/count')} graphs, "
         f"{num(seconds(t['seconds']), 'totals/seconds')}, {num(mib(t['bytes']), 'totals/bytes')}"
         + (
@@ -179,7 +181,12 @@ def audit_section(report: dict[str, Any], detail: dict[str, Any] | None) -> str:
             "what each pass wrote and where a stray write landed need the run itself (<code>warmup run --html</code>).</p>"
         )
         return "".join(out)
-    out.append(_pass_chart(detail))
+    if not detail["passes"]:
+        out.append(
+            '<p class="dim">the audit was off (<code>--no-audit</code>): no pass writes were recorded</p>'
+        )
+    else:
+        out.append(_pass_chart(detail))
     return "".join(out)
 
 
@@ -223,7 +230,8 @@ def acceptance_chart(report: dict[str, Any]) -> str:
         bars.append(
             f'<rect x="{x}" y="{h - bh + 10:.1f}" width="{bar_w}" height="{bh:.1f}" fill="#f08c00">'
             f"<title>position {i}: {n} of {s['num_drafts']} drafts accepted</title></rect>"
-            f'<text x="{x}" y="{h + 24}">pos {i}</text><text x="{x}" y="{h - bh + 6:.1f}">{rate:.0%}</text>'
+            f'<text x="{x}" y="{h + 24}">pos {i}</text>'
+            f'<text x="{x + 4}" y="{h - bh + 24 if bh > 20 else h + 6:.1f}">{rate:.0%}</text>'
         )
     width = 40 + len(per) * (bar_w + 12)
     counts = ", ".join(num(str(n), f"spec_decode/per_position/{i}") for i, n in enumerate(per))
