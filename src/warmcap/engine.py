@@ -298,10 +298,8 @@ class LLMEngine:
         if token_ids is None:
             token_ids = self.encode(text or "")
         if not token_ids:
-            raise ConfigError(
-                f"the prompt is empty ({'text ' + repr(text) if text is not None else 'no token ids'} "
-                "encodes to no token): give at least one token to generate from"
-            )
+            given = f"the text {text!r} encodes to no token" if text is not None else "no token ids"
+            raise ConfigError(f"empty prompt ({given}): give at least one token to generate from")
         check_token_ids(token_ids, self.vocab_size)
         return text, token_ids
 

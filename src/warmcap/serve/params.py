@@ -119,7 +119,7 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
         return [prompt]
     if not prompt:
         raise APIError(
-            400, "prompt is empty: give a string, token ids, or a list of either", "invalid_prompt", "prompt"
+            400, "empty prompt: give a string, token ids, or a list of either", "invalid_prompt", "prompt"
         )
     if all(isinstance(t, int) for t in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
