@@ -34,6 +34,7 @@ def _config() -> EngineConfig:
 def test_the_default_warmup_audits_on_a_cuda_device_too() -> None:
     """The hook's default no longer depends on the device: a context that says ``cuda`` (the
     runner itself stays on CPU) is audited like any other."""
+
     def as_if_cuda_hook(ctx: StartupContext):
         return warmup_hook(replace(ctx, device=torch.device("cuda")))
 
@@ -44,7 +45,13 @@ def test_the_default_warmup_audits_on_a_cuda_device_too() -> None:
 
 
 def test_llm_audits_by_default_and_audit_false_skips_it() -> None:
-    kwargs = {"device": "cpu", "max_model_len": 128, "max_num_seqs": 2, "num_blocks": 64, "enforce_eager": True}
+    kwargs = {
+        "device": "cpu",
+        "max_model_len": 128,
+        "max_num_seqs": 2,
+        "num_blocks": 64,
+        "enforce_eager": True,
+    }
     on = LLM("tiny-llama", **kwargs).engine.warmup_result
     assert on is not None and on.audit.enabled and on.audit.slots_checked > 0
     off = LLM("tiny-llama", audit=False, **kwargs).engine.warmup_result
