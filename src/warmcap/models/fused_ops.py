@@ -105,6 +105,13 @@ class FusedOps:
 
     device: torch.device
 
+    def __post_init__(self) -> None:
+        # NOTE: torch.device("cuda") != torch.device("cuda:0"), the device tensors report.
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        object.__setattr__(self, "device", device)
+
     def accepts(self, *tensors: torch.Tensor) -> bool:
         """Every tensor is on this device in a dtype the kernels take."""
         return all(t.device == self.device and t.dtype in _DTYPES for t in tensors)
