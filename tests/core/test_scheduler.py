@@ -177,10 +177,9 @@ def test_a_request_that_cannot_grow_preempts_itself():
 
 
 def test_abort_frees_blocks_and_is_reported_next_step():
-    sched = make_scheduler()
+    sched = make_scheduler(max_num_seqs=1)
     sched.add_request(make_request("run", list(range(20))))
     sched.add_request(make_request("wait", list(range(20)), max_tokens=4))
-    sched.max_num_seqs = 1
     step(sched, {"run": [1]})
     assert sched.abort_request("run") and sched.abort_request("wait")
     assert not sched.abort_request("run")

@@ -89,11 +89,11 @@ class SpecRig:
         """Record each proposal with the request's tokens at the time it was made."""
         inner = self.drafter.propose
 
-        def propose(runner, sched_out, sampled):
-            drafts = inner(runner, sched_out, sampled)
+        def propose(ctx):
+            drafts = inner(ctx)
             for req_id, d in drafts.items():
-                row = runner.batch.row_of[req_id]
-                tokens = runner.batch.token_ids[row, : runner.batch.num_tokens[row]].tolist()
+                row = ctx.view.rows[ctx.view.req_ids.index(req_id)]
+                tokens = ctx.token_ids[row, : ctx.num_tokens[row]].tolist()
                 self.proposals.append((req_id, tokens, list(d)))
             return drafts
 

@@ -8,7 +8,8 @@ request from its loaded tokens, with the normal lookahead (``core/step_rules.py`
 
 Each step: running requests first (decodes, verify steps and unfinished prompts, oldest first),
 then waiting requests in arrival order while the token budget, the sequence limit and the pool
-allow. ``num_computed_tokens`` advances when a step is scheduled and rolls back by the rejected
+allow. Each is admitted, allocated and recorded by ``core/step_builder.py``, which the warmup
+planner builds its steps with too; the scheduler picks the requests and preempts. ``num_computed_tokens`` advances when a step is scheduled and rolls back by the rejected
 draft count when its results come in.
 """
 
@@ -18,9 +19,10 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from warmcap.core.outputs import CachedRequestData, KVLoad, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from warmcap.core.outputs import KVLoad, ModelRunnerOutput, SchedulerOutput
 from warmcap.core.request import Request, RequestStatus
 from warmcap.core.scheduler_stats import RequestStepOutput, SchedulerStats, SpecDecodeCounters
+from warmcap.core.step_builder import StepBuilder
 from warmcap.core.step_rules import computed_after_verify, step_lookahead
 from warmcap.errors import CapacityError, ConfigError
 
@@ -49,12 +51,13 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.eos_token_id = eos_token_id
         self.max_model_len = config.max_model_len
-        self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.num_spec_tokens = config.num_speculative_tokens
+        #: admission, allocation with lookahead and the step's records, shared with warmup planning
+        self.builder = StepBuilder(config, kv_cache_manager)
         #: what every locally computed request reserves (core/step_rules.py)
-        self.num_lookahead_tokens = step_lookahead(config)
+        self.num_lookahead_tokens = self.builder.num_lookahead_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -153,53 +156,26 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # NOTE: this loop runs for every running request every step; it avoids min(), properties
-        # and keyword calls, which cost more than the arithmetic they wrap.
-        allocate = self.kv.allocate_running
-        lookahead = self.num_lookahead_tokens
-        max_pos = self.max_model_len - 1
+        add = self.builder.add_running
         running = self.running
-        cached_reqs = out.scheduled_cached_reqs
-        num_scheduled = out.num_scheduled_tokens
-        num_lookahead = out.num_lookahead_tokens
-        spec_decode = out.scheduled_spec_decode_tokens
         index = 0
         while index < len(running) and budget > 0:
             req = running[index]
-            computed = req.num_computed_tokens
-            num_real = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
-            drafts = req.spec_token_ids
-            # NOTE: the cap keeps computed + scheduled <= max_model_len - 1, so even the bonus token
-            # of a fully accepted verify step leaves the request at most max_model_len long.
-            num_new = num_real + len(drafts)
-            if num_new > budget:
-                num_new = budget
-            if num_new > max_pos - computed:
-                num_new = max_pos - computed
-            new_ids = allocate(req, num_new, lookahead)
-            while new_ids is None:
+            num_new = add(out, req, budget)
+            while num_new is None:
                 victim = running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
-                new_ids = allocate(req, num_new, lookahead)
-            req_id = req.request_id
-            cached_reqs.append(CachedRequestData(req_id, new_ids, computed))
-            num_scheduled[req_id] = num_new
-            num_lookahead[req_id] = lookahead
-            if num_new > num_real and drafts:
-                # NOTE: drafts are handed over without a copy when all are scheduled: the scheduler
-                # only ever replaces ``spec_token_ids``, never changes the list in place.
-                num_drafts = num_new - num_real
-                spec_decode[req_id] = drafts if num_drafts == len(drafts) else drafts[:num_drafts]
-            req.num_computed_tokens = computed + num_new
+                num_new = add(out, req, budget)
             budget -= num_new
             index += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        builder = self.builder
+        while self.waiting and builder.has_seat(len(self.running), budget):
             req = self.waiting[0]
             if req.num_computed_tokens:
                 # NOTE: only a request whose external load has arrived waits with computed tokens
@@ -221,44 +197,12 @@ class Scheduler:
                 if not self._start_load(req, out, hit_ids, num_hit, external):
                     return
                 continue
-            num_new = req.num_tokens - req.num_computed_tokens - num_hit
-            if num_new > budget:
-                # NOTE: without chunking a prompt waits for a step with room; a resumed request longer
-                # than the whole budget is still recomputed in chunks, or it could never run again.
-                if not self.chunked_prefill and num_new <= self.max_num_batched_tokens:
-                    return
-                num_new = budget
-            lookahead = self.num_lookahead_tokens
-            new_ids = kv.allocate_slots(
-                req,
-                num_new,
-                num_new_computed_tokens=num_hit,
-                new_computed_blocks=hit_ids,
-                num_lookahead_tokens=lookahead,
-                num_encoder_tokens=req.num_encoder_tokens,
-            )
-            if new_ids is None:
+            num_new = builder.add_waiting(out, req, budget, num_hit=num_hit, hit_ids=hit_ids)
+            if not num_new:
                 return
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req_id = req.request_id
-            computed = req.num_computed_tokens + num_hit
-            out.scheduled_new_reqs.append(
-                NewRequestData(
-                    req_id=req_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling_params=req.sampling_params,
-                    block_ids=kv.get_block_ids(req_id),
-                    num_computed_tokens=computed,
-                    output_token_ids=list(req.output_token_ids),
-                )
-            )
-            out.num_scheduled_tokens[req_id] = num_new
-            out.num_lookahead_tokens[req_id] = lookahead
-            req.num_computed_tokens = computed + num_new
             budget -= num_new
 
     def _start_load(

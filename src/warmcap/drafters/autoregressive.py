@@ -11,8 +11,7 @@ and how an output row becomes a draft token (``greedy_drafts``).
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -24,11 +23,7 @@ from warmcap.drafters.base import (
     DraftGraphShape,
     autoregressive_graph_shapes,
 )
-from warmcap.drafters.paged import DraftPass, StepView, collect_drafts, num_drafts_allowed, run_pass
-
-if TYPE_CHECKING:
-    from warmcap.core.outputs import SchedulerOutput
-    from warmcap.runner_v2.model_runner import ModelRunner
+from warmcap.drafters.paged import DraftContext, DraftPass, collect_drafts, num_drafts_allowed
 
 
 class AutoregressiveDrafter(BaseDrafter):
@@ -38,10 +33,8 @@ class AutoregressiveDrafter(BaseDrafter):
     step_offset: ClassVar[int]
 
     @abstractmethod
-    def prefill_inputs(
-        self, runner: ModelRunner, view: StepView
-    ) -> tuple[DraftPass, torch.Tensor, torch.Tensor | None]:
-        """The first pass of a step: its spans (one per request of ``view``), token ids and
+    def prefill_inputs(self, ctx: DraftContext) -> tuple[DraftPass, torch.Tensor, torch.Tensor | None]:
+        """The first pass of a step: its spans (one per request of ``ctx.view``), token ids and
         hidden-state features (None when the pass reads tokens only). Its last output row per
         request drafts token 1."""
 
@@ -57,18 +50,14 @@ class AutoregressiveDrafter(BaseDrafter):
     def graph_shapes(self) -> list[DraftGraphShape]:
         return autoregressive_graph_shapes(self.num_speculative_tokens)
 
-    def propose(
-        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
-    ) -> dict[str, list[int]]:
-        view = StepView.from_runner(runner, sampled)
+    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
+        view = ctx.view
         if not view.req_ids:
             return {}
-        device = runner.device
-        budget = num_drafts_allowed(view, self.num_speculative_tokens, runner.max_model_len)
-        prefill, input_ids, features = self.prefill_inputs(runner, view)
-        out = run_pass(
-            runner,
-            self,
+        device = ctx.device
+        budget = num_drafts_allowed(view, self.num_speculative_tokens, ctx.max_model_len)
+        prefill, input_ids, features = self.prefill_inputs(ctx)
+        out = ctx.run_pass(
             prefill,
             phase=DRAFT_PREFILL,
             log_phase=DRAFT_PREFILL,
@@ -94,9 +83,7 @@ class AutoregressiveDrafter(BaseDrafter):
                 view.next_position[active] + i + self.step_offset,
                 np.ones(active.size, dtype=np.int64),
             )
-            out = run_pass(
-                runner,
-                self,
+            out = ctx.run_pass(
                 step,
                 phase=DRAFT_DECODE,
                 log_phase=f"draft_step_{i}",

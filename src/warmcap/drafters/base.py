@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from warmcap.core.kv_spec import group_layers
@@ -17,8 +16,7 @@ if TYPE_CHECKING:
     from warmcap.config import EngineConfig
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup, KVSpec
-    from warmcap.core.outputs import SchedulerOutput
-    from warmcap.runner_v2.model_runner import ModelRunner
+    from warmcap.runner_v2.draft_context import DraftContext, DraftKV
 
 DRAFT_GROUP_PREFIX = "draft."
 
@@ -84,15 +82,13 @@ class BaseDrafter(ABC):
         return list(self._groups)
 
     @abstractmethod
-    def propose(
-        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
-    ) -> dict[str, list[int]]:
+    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
         """Draft tokens for the next step, per request that sampled this step.
 
-        ``sampled[i]`` holds what request ``i`` of ``runner.last_step`` gained this step (accepted
-        drafts plus the sampled token; empty for a prompt chunk); the runner has already appended
-        them to its persistent batch. Drafts are greedy, so the runner verifies them as one-hot
-        proposals.
+        ``ctx`` is all the drafter reads: the step's view (what each request gained: accepted
+        drafts plus the sampled token, none for a prompt chunk), the target's states, the
+        persistent batch's tokens (this step's already appended) and ``run_pass`` for its passes.
+        Drafts are greedy, so the runner verifies them as one-hot proposals.
         """
 
     def graph_shapes(self) -> list[DraftGraphShape]:
@@ -113,7 +109,7 @@ class BaseDrafter(ABC):
 
     def forward_pass(
         self,
-        runner: ModelRunner,
+        kv: DraftKV,
         phase: str,
         metas: dict[str, AttentionMetadata],
         input_ids: torch.Tensor,
@@ -125,7 +121,7 @@ class BaseDrafter(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no model pass (graph_shapes() is empty)")
 
     def state_metadata(
-        self, runner: ModelRunner, metas: dict[str, AttentionMetadata], *, static: bool = False
+        self, kv: DraftKV, metas: dict[str, AttentionMetadata], *, static: bool = False
     ) -> dict[str, AttentionMetadata]:
         """``metas`` with whatever per-pass state columns the drafter's own groups need (a draft
         LM's Mamba groups); ``static``: they belong to a graph and are refilled in place. Drafters

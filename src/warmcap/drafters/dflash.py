@@ -9,8 +9,7 @@ start + scheduled + k``: one slot past the EAGLE-style k, hence dflash's lookahe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,15 +21,10 @@ from warmcap.core.reservation import blocks_covering
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, DraftGraphShape
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
 from warmcap.drafters.hidden import HeadDrafter
-from warmcap.drafters.paged import DraftPass, StepView, num_drafts_allowed, run_pass
+from warmcap.drafters.paged import DraftContext, DraftKV, DraftPass, num_drafts_allowed
 from warmcap.drafters.registry import register
 from warmcap.models.layers import RMSNorm
 from warmcap.runner_v2.attention.torch_paged import write_kv
-
-if TYPE_CHECKING:
-    from warmcap.core.outputs import SchedulerOutput
-    from warmcap.runner_v2.model_runner import ModelRunner
-
 
 #: depth of a random DFlash head (published DFlash drafters use a few layers; EAGLE-style heads one)
 RANDOM_DFLASH_LAYERS = 2
@@ -153,7 +147,7 @@ class DFlashDrafter(HeadDrafter):
 
     def forward_pass(
         self,
-        runner: ModelRunner,
+        kv: DraftKV,
         phase: str,
         metas: dict[str, AttentionMetadata],
         input_ids: torch.Tensor,
@@ -164,7 +158,7 @@ class DFlashDrafter(HeadDrafter):
         ``draft_decode``: the block queries over ``input_ids``."""
         (group,) = self._groups
         meta = metas[group.name]
-        caches = self._caches(runner)
+        caches = self._caches(kv)
         if phase == DRAFT_PREFILL:
             if features is None:
                 raise ValueError("dflash context passes need the target's hidden-state features")
@@ -174,33 +168,27 @@ class DFlashDrafter(HeadDrafter):
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor | None:
         return self.head.draft_tokens(output) if phase == DRAFT_DECODE else None
 
-    def _caches(self, runner: ModelRunner) -> list[torch.Tensor]:
-        return [
-            runner.kv_caches.tensors[DRAFT_GROUP_PREFIX + a.self_attn.layer_name] for a in self.head.layers
-        ]
+    def _caches(self, kv: DraftKV) -> list[torch.Tensor]:
+        return [kv.kv_caches[DRAFT_GROUP_PREFIX + a.self_attn.layer_name] for a in self.head.layers]
 
-    def propose(
-        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
-    ) -> dict[str, list[int]]:
-        view = StepView.from_runner(runner, sampled)
+    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
+        view = ctx.view
         if not view.req_ids:
             return {}
-        device = runner.device
-        ctx = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
+        device = ctx.device
+        context = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
         rows = torch.from_numpy(view.valid_state_index()).to(device)
-        features = self.target_states(runner)[rows].to(self.dtype)
-        empty = torch.zeros(ctx.num_tokens, dtype=torch.int64, device=device)
-        run_pass(
-            runner,
-            self,
-            ctx,
+        features = self.target_states(ctx)[rows].to(self.dtype)
+        empty = torch.zeros(context.num_tokens, dtype=torch.int64, device=device)
+        ctx.run_pass(
+            context,
             phase=DRAFT_PREFILL,
             log_phase=DRAFT_PREFILL,
             input_ids=empty,
             features=features,
         )
 
-        budget = num_drafts_allowed(view, self.num_speculative_tokens, runner.max_model_len)
+        budget = num_drafts_allowed(view, self.num_speculative_tokens, ctx.max_model_len)
         if not (budget > 0).any():
             return {}
         blk = DraftPass.spans(
@@ -208,10 +196,8 @@ class DFlashDrafter(HeadDrafter):
         )
         firsts = blk.query_start_loc[:-1]
         ids = np.full(blk.num_tokens, self.head.mask_token_id, dtype=np.int64)
-        ids[firsts] = runner.batch.token_ids[blk.rows, blk.positions[firsts]]
-        out = run_pass(
-            runner,
-            self,
+        ids[firsts] = ctx.token_ids[blk.rows, blk.positions[firsts]]
+        out = ctx.run_pass(
             blk,
             phase=DRAFT_DECODE,
             log_phase="draft_step_0",

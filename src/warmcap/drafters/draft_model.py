@@ -22,7 +22,7 @@ import torch
 from warmcap.core.kv_spec import KVCacheGroup, MambaSpec
 from warmcap.drafters.autoregressive import AutoregressiveDrafter
 from warmcap.drafters.base import DRAFT_GROUP_PREFIX
-from warmcap.drafters.paged import DraftPass, StepView, draft_context
+from warmcap.drafters.paged import DraftContext, DraftPass, forward_context
 from warmcap.drafters.registry import register
 from warmcap.kv_layout import layer_specs
 from warmcap.runner_v2.mamba_draft_state import draft_row_plans
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from warmcap.config import EngineConfig
     from warmcap.contracts import AttentionMetadata
-    from warmcap.runner_v2.model_runner import ModelRunner
+    from warmcap.drafters.paged import DraftKV
 
 
 @register
@@ -56,18 +56,18 @@ class DraftModelDrafter(AutoregressiveDrafter):
 
     def forward_pass(
         self,
-        runner: ModelRunner,
+        kv: DraftKV,
         phase: str,
         metas: dict[str, AttentionMetadata],
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         features: torch.Tensor | None,
     ) -> torch.Tensor:
-        ctx = draft_context(runner, self._groups, self.state_metadata(runner, metas), self._layer_names)
+        ctx = forward_context(kv, self._groups, self.state_metadata(kv, metas), self._layer_names)
         return self.model.forward(input_ids, positions, ctx)
 
     def state_metadata(
-        self, runner: ModelRunner, metas: dict[str, AttentionMetadata], *, static: bool = False
+        self, kv: DraftKV, metas: dict[str, AttentionMetadata], *, static: bool = False
     ) -> dict[str, AttentionMetadata]:
         """``metas`` with the state columns of the draft LM's Mamba groups for the pass loaded now
         (eager passes arrive with them; a graph's static entries are refilled in place, see
@@ -77,7 +77,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
         for group in self._groups:
             spec = group.spec
             if isinstance(spec, MambaSpec):
-                tables, known = runner.batch.block_tables[group.name].table, runner.batch.num_tokens
+                tables, known = kv.block_tables[group.name], kv.num_tokens
                 plans_of = partial(draft_row_plans, spec, tables=tables, num_known_tokens=known)
                 out[group.name] = mamba_metadata(metas[group.name], plans_of, static=static)
         return out
@@ -85,10 +85,11 @@ class DraftModelDrafter(AutoregressiveDrafter):
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(output).argmax(dim=-1)
 
-    def prefill_inputs(self, runner: ModelRunner, view: StepView) -> tuple[DraftPass, torch.Tensor, None]:
+    def prefill_inputs(self, ctx: DraftContext) -> tuple[DraftPass, torch.Tensor, None]:
         # The real tokens: the accepted part of what the target computed, plus the sampled token
         # when it drafts (a P/D producer reserves no slot past the scheduled tokens for it).
+        view = ctx.view
         lengths = view.num_valid + (view.sampled & (self.num_speculative_tokens > 0)).astype(np.int64)
         prefill = DraftPass.spans(view.req_ids, view.rows, view.start, lengths)
-        tokens = runner.batch.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions]
-        return prefill, torch.from_numpy(tokens).to(runner.device), None
+        tokens = ctx.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions]
+        return prefill, torch.from_numpy(tokens).to(ctx.device), None

@@ -25,7 +25,7 @@ from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.drafters.autoregressive import AutoregressiveDrafter
 from warmcap.drafters.base import DRAFT_GROUP_PREFIX, DRAFT_PREFILL, BaseDrafter
 from warmcap.drafters.heads import DeepseekMTPHead, DraftHead, Eagle3Head, EagleHead, MTPHead, TargetTiedHead
-from warmcap.drafters.paged import DraftPass, StepView, draft_context
+from warmcap.drafters.paged import DraftContext, DraftPass, forward_context
 from warmcap.drafters.registry import register
 from warmcap.models.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from warmcap.config import EngineConfig
     from warmcap.contracts import AttentionMetadata
-    from warmcap.runner_v2.model_runner import ModelRunner
+    from warmcap.drafters.paged import DraftKV
 
 
 class HeadDrafter(BaseDrafter):
@@ -61,16 +61,16 @@ class HeadDrafter(BaseDrafter):
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
         return self._own_groups(self.head.kv_layer_specs(block_size, self.dtype))
 
-    def target_states(self, runner: ModelRunner) -> torch.Tensor:
-        """The target features of the latest step ``[T, H * n]``: the final hidden states, or the
-        inputs of ``aux_layers`` side by side."""
+    def target_states(self, ctx: DraftContext) -> torch.Tensor:
+        """The target features of the step ``[T, H * n]``: the final hidden states, or the inputs
+        of ``aux_layers`` side by side."""
         if not self.aux_layers:
-            return runner.last_hidden_states
-        aux = runner.last_aux_hidden_states
+            return ctx.hidden_states
+        aux = ctx.aux_hidden_states
         if not aux:
             raise RuntimeError(
                 f"{self.method} needs the target's auxiliary hidden states of layers {self.aux_layers}: "
-                "build the ModelRunner with this drafter (drafter=...) so it returns them"
+                "build the runner with this drafter (drafter=...) so its forward collects them"
             )
         return torch.cat(list(aux), dim=-1)
 
@@ -92,7 +92,7 @@ class HiddenStateDrafter(HeadDrafter, AutoregressiveDrafter):
 
     def forward_pass(
         self,
-        runner: ModelRunner,
+        kv: DraftKV,
         phase: str,
         metas: dict[str, AttentionMetadata],
         input_ids: torch.Tensor,
@@ -102,21 +102,20 @@ class HiddenStateDrafter(HeadDrafter, AutoregressiveDrafter):
         if features is None:
             raise ValueError(f"{self.method} passes need hidden-state features")
         names = {name: DRAFT_GROUP_PREFIX + name for name in self.head.kv_layer_names}
-        ctx = draft_context(runner, self._groups, metas, names)
+        ctx = forward_context(kv, self._groups, metas, names)
         return self.head.step(input_ids, positions, features.to(self.dtype), ctx)
 
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
         return self.head.draft_tokens(output)
 
-    def prefill_inputs(
-        self, runner: ModelRunner, view: StepView
-    ) -> tuple[DraftPass, torch.Tensor, torch.Tensor]:
+    def prefill_inputs(self, ctx: DraftContext) -> tuple[DraftPass, torch.Tensor, torch.Tensor]:
         # The target states of real tokens this step (rejected drafts excluded), each paired with
         # the token one to the right: the next prompt token or the sampled token.
+        view = ctx.view
         prefill = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
-        tokens = runner.batch.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions + 1]
-        device = runner.device
-        features = self.target_states(runner)[torch.from_numpy(view.valid_state_index()).to(device)]
+        tokens = ctx.token_ids[np.repeat(prefill.rows, prefill.query_lens), prefill.positions + 1]
+        device = ctx.device
+        features = self.target_states(ctx)[torch.from_numpy(view.valid_state_index()).to(device)]
         return prefill, torch.from_numpy(tokens).to(device), features
 
     def step_features(self, output: torch.Tensor) -> torch.Tensor:

@@ -9,13 +9,12 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from warmcap.drafters.base import BaseDrafter
-from warmcap.drafters.paged import StepView, num_drafts_allowed
+from warmcap.drafters.paged import num_drafts_allowed
 from warmcap.drafters.registry import register
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
-    from warmcap.core.outputs import SchedulerOutput
-    from warmcap.runner_v2.model_runner import ModelRunner
+    from warmcap.drafters.paged import DraftContext
 
 
 def ngram_propose(token_ids: Sequence[int] | np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
@@ -50,17 +49,14 @@ class NgramDrafter(BaseDrafter):
         self.min_n = spec.prompt_lookup_min
         self.max_n = spec.prompt_lookup_max
 
-    def propose(
-        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
-    ) -> dict[str, list[int]]:
-        view = StepView.from_runner(runner, sampled)
-        budget = num_drafts_allowed(view, self.num_speculative_tokens, runner.max_model_len)
-        batch = runner.batch
+    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
+        view = ctx.view
+        budget = num_drafts_allowed(view, self.num_speculative_tokens, ctx.max_model_len)
         drafts: dict[str, list[int]] = {}
         for req_id, row, k in zip(view.req_ids, view.rows.tolist(), budget.tolist(), strict=True):
             if k <= 0:
                 continue
-            tokens = batch.token_ids[row, : batch.num_tokens[row]]
+            tokens = ctx.token_ids[row, : ctx.num_tokens[row]]
             proposal = ngram_propose(tokens, min_n=self.min_n, max_n=self.max_n, k=k)
             if proposal:
                 drafts[req_id] = proposal

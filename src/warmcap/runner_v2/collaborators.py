@@ -24,9 +24,8 @@ if TYPE_CHECKING:
 
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup
-    from warmcap.core.outputs import SchedulerOutput
+    from warmcap.runner_v2.draft_context import DraftContext, DraftKV
     from warmcap.runner_v2.input_batch import StepInputs
-    from warmcap.runner_v2.model_runner import ModelRunner
 
 DRAFT_PREFILL = "draft_prefill"
 DRAFT_DECODE = "draft_decode"
@@ -96,7 +95,8 @@ class DraftPass:
 
 
 class Drafter(Protocol):
-    """A speculative-decoding proposer, as the runner and graph capture use it.
+    """A speculative-decoding proposer, as the runner and graph capture use it: a callee that is
+    handed what it reads (``runner_v2/draft_context.py``) and never holds or types the runner.
 
     ``propose`` runs after each target step; drafters with a model also describe their passes
     (``graph_shapes``, ``graph_groups``, ``feature_spec``) and run one over given inputs
@@ -106,9 +106,7 @@ class Drafter(Protocol):
     #: target layers whose input hidden states the drafter reads (``ForwardContext`` aux layers)
     aux_layers: tuple[int, ...]
 
-    def propose(
-        self, runner: ModelRunner, sched_out: SchedulerOutput, sampled: Sequence[Sequence[int]]
-    ) -> dict[str, list[int]]:
+    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
         """Draft tokens for the next step, per request that sampled this step."""
         ...
 
@@ -126,7 +124,7 @@ class Drafter(Protocol):
 
     def forward_pass(
         self,
-        runner: ModelRunner,
+        kv: DraftKV,
         phase: str,
         metas: dict[str, AttentionMetadata],
         input_ids: torch.Tensor,
@@ -137,7 +135,7 @@ class Drafter(Protocol):
         ...
 
     def state_metadata(
-        self, runner: ModelRunner, metas: dict[str, AttentionMetadata], *, static: bool = False
+        self, kv: DraftKV, metas: dict[str, AttentionMetadata], *, static: bool = False
     ) -> dict[str, AttentionMetadata]:
         """``metas`` with the per-pass state columns of the drafter's own groups."""
         ...

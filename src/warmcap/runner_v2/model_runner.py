@@ -26,6 +26,7 @@ from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry
 from warmcap.runner_v2.collaborators import Drafter, DraftPass, GraphDispatcher
 from warmcap.runner_v2.draft_buffers import DraftBuffers, draft_writes
+from warmcap.runner_v2.draft_context import DraftContext, DraftKV, StepView
 from warmcap.runner_v2.host_copy import HostCopy
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
@@ -55,10 +56,11 @@ class ModelRunner:
     Public state other components build on:
     - ``batch`` (:class:`InputBatch`), ``buffers`` (:class:`StepBuffers`), ``kv_caches`` (:class:`KVCaches`)
     - ``last_step`` (:class:`StepInputs`), ``last_hidden_states`` ``[T, H]`` and ``last_positions``
-      ``[T]`` of the latest forward, for drafters
-    - ``drafter`` (a constructor argument): called after sampling, returns next-step proposals; it
-      may leave their probabilities in ``draft_probs`` for probabilistic verification. Its passes
-      run through :meth:`run_draft_pass` over ``draft_buffers``, which the runner owns.
+      ``[T]`` of the latest forward (for the engine and graph verification; the drafter is handed
+      them in its :class:`DraftContext`)
+    - ``drafter`` (a constructor argument): a callee, called after sampling with a
+      :class:`DraftContext`; returns next-step proposals, verified as one-hot (greedy) drafts. Its
+      passes run through :meth:`run_draft_pass` over ``draft_buffers``, which the runner owns.
     - ``graphs``: the graph dispatcher, set once by :meth:`attach_graphs`
     - ``kv_write_log``: every slot mapping of every pass (target and drafter, eager or replayed)
       while :meth:`recording_kv_writes` is on, for the audit
@@ -142,9 +144,6 @@ class ModelRunner:
         #: the exact screened argmax over the LM head, used by steps that need nothing but argmaxes
         #: (:meth:`_greedy_argmax`); None: every step computes the full logits
         self.greedy_head: GreedyHead | None = _build_greedy_head(model)
-        # req_id -> [k, V] probabilities of the drafts a drafter just proposed (consumed by the next
-        # verify step); requests without an entry are verified as single-token proposals.
-        self.draft_probs: dict[str, torch.Tensor] = {}
         self.num_steps = 0
         self.last_step: StepInputs | None = None
         self.last_hidden_states: torch.Tensor | None = None
@@ -242,7 +241,7 @@ class ModelRunner:
             handler.finish_step(step.req_ids, seq_lens, sampled)
         for req_id, tokens in zip(step.req_ids, sampled, strict=True):
             self.batch.append_tokens(req_id, tokens)
-        drafts = self._propose(sched_out, step.req_ids, sampled)
+        drafts = self._propose(sched_out, step, sampled, hidden)
         if connector is not None:
             connector.wait_for_save()
         output = ModelRunnerOutput(
@@ -267,7 +266,9 @@ class ModelRunner:
             output.failed_recving = self.kv_connector.get_load_errors()
         return output
 
-    def _propose(self, sched_out: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> dict:
+    def _propose(
+        self, sched_out: SchedulerOutput, step: StepInputs, sampled: list[list[int]], hidden: torch.Tensor
+    ) -> dict:
         """The drafter's proposals for the next step; none from a step that reserved no lookahead
         for its drafter's writes (they would land past the requests' blocks). A P/D producer's
         drafter (no lookahead at all, ``num_speculative_tokens`` 0) runs its prompt pass, writing
@@ -277,8 +278,8 @@ class ModelRunner:
         lookahead = self.config.num_lookahead_tokens
         if lookahead:
             given = sched_out.num_lookahead_tokens
-            short = [r for r in req_ids if given.get(r, lookahead) < lookahead]
-            if len(short) == len(req_ids):
+            short = [r for r in step.req_ids if given.get(r, lookahead) < lookahead]
+            if len(short) == len(step.req_ids):
                 return {}
             if short:
                 raise RuntimeError(
@@ -286,7 +287,17 @@ class ModelRunner:
                     "where others draft: the scheduler must give every request of a drafting step the "
                     "lookahead of core/step_rules.py"
                 )
-        return self.drafter.propose(self, sched_out, sampled)
+        ctx = DraftContext(
+            view=StepView.from_step(step, sampled),
+            hidden_states=hidden,
+            aux_hidden_states=self.last_aux_hidden_states,
+            token_ids=self.batch.token_ids,
+            num_tokens=self.batch.num_tokens,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            run_pass=self.run_draft_pass,
+        )
+        return self.drafter.propose(ctx)
 
     def forward_batch(self, num_tokens: int, attn_metadata: dict[str, AttentionMetadata]) -> torch.Tensor:
         """Run the model eagerly on the first ``num_tokens`` tokens of the static buffers: the seam
@@ -354,6 +365,16 @@ class ModelRunner:
 
     # ---- drafter passes ------------------------------------------------------------------------------
 
+    def draft_kv(self) -> DraftKV:
+        """What a drafter pass runs over now: KV tensors, backends, block tables, token counts."""
+        batch = self.batch
+        return DraftKV(
+            kv_caches=self.kv_caches.tensors,
+            backends=self.backends,
+            block_tables={g: t.table for g, t in batch.block_tables.tables.items()},
+            num_tokens=batch.num_tokens,
+        )
+
     def run_draft_pass(
         self,
         dp: DraftPass,
@@ -373,11 +394,12 @@ class ModelRunner:
         if replay is None:
             tables = {g: self.batch.block_tables[g].gather(dp.rows) for g in statics.group_names}
             statics.load(phase, dp, tables, input_ids, features)
-            metas = drafter.state_metadata(self, statics.buffers.attn_metadata())
+            kv = self.draft_kv()
+            metas = drafter.state_metadata(kv, statics.buffers.attn_metadata())
             ids, positions, static_features = statics.inputs(phase, dp.num_tokens)
             # A phase without a feature buffer takes its features as given.
             feats = static_features if static_features is not None else features
-            output = drafter.forward_pass(self, phase, metas, ids, positions, feats)
+            output = drafter.forward_pass(kv, phase, metas, ids, positions, feats)
         else:
             metas, output = replay.metas, replay.output
         if self.kv_write_log.recording:
@@ -463,32 +485,10 @@ class ModelRunner:
         one_hot = torch.nn.functional.one_hot(row_argmax(logits), probs.shape[1]).to(probs.dtype)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
         rows = step.rows[step.num_logits > 0].tolist()
-        req_ids = [r for r, n in zip(step.req_ids, step.num_logits.tolist(), strict=True) if n]
+        # Every drafter proposes greedily: its drafts are one-hot proposals (no draft probabilities).
         return probabilistic_verify_on_device(
-            probs,
-            self._pending_draft_probs(req_ids, drafts, probs),
-            drafts,
-            [self.batch.generators[row] for row in rows],
+            probs, None, drafts, [self.batch.generators[row] for row in rows]
         )
-
-    def _pending_draft_probs(
-        self, req_ids: list[str], drafts: list[list[int]], target: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Rows of ``draft_probs`` for this step's drafts, one-hot where a drafter gave none."""
-        given = {r: self.draft_probs.pop(r) for r in req_ids if r in self.draft_probs}
-        self.draft_probs.clear()
-        if not given:
-            return None
-        parts = []
-        for req_id, d in zip(req_ids, drafts, strict=True):
-            if not d:
-                continue
-            probs = given.get(req_id)
-            if probs is None:
-                ids = torch.tensor(d, device=target.device)
-                probs = torch.nn.functional.one_hot(ids, target.shape[1]).to(target.dtype)
-            parts.append(probs[: len(d)].to(target.device, target.dtype))
-        return torch.cat(parts)
 
 
 def _build_greedy_head(model: Any) -> GreedyHead | None:

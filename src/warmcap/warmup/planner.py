@@ -14,9 +14,10 @@ from math import lcm
 from warmcap.config import EngineConfig
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.kv_spec import CrossAttentionSpec, KVCacheGroup, MambaSpec
-from warmcap.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.reservation import block_of, reserved_blocks
+from warmcap.core.step_builder import StepBuilder
 from warmcap.core.step_rules import computed_after_verify, step_lookahead
 from warmcap.errors import CapacityError
 from warmcap.sampling_params import SamplingParams
@@ -63,6 +64,9 @@ class _Simulator:
             enable_caching=False,
             max_encoder_len=max_encoder_len,
         )
+        #: the scheduler's own admission and allocation (core/step_builder.py); ``lookahead`` is
+        #: what each request reserves, the config's lookahead what the runner is told it may write
+        self.builder = StepBuilder(config, self.manager, reserved_lookahead=lookahead)
         self.steps: list[WarmupStep] = []
         self.running: dict[str, Request] = {}
 
@@ -73,52 +77,63 @@ class _Simulator:
         return Request(req_id, prompt, _WARMUP_PARAMS, num_encoder_tokens=self.max_encoder_len)
 
     def step(self, name: str, kind: str, reason: str, entries: list[_Entry]) -> WarmupStep:
-        sched = self.config.scheduler
-        total = sum(e.num_new_tokens for e in entries)
-        if total > sched.max_num_batched_tokens:
-            raise _DoesNotFit(
-                f"{name}: {total} tokens exceed max_num_batched_tokens={sched.max_num_batched_tokens}"
-            )
-        live = set(self.running) | {e.request.request_id for e in entries}
-        if len(live) > sched.max_num_seqs:
-            raise _DoesNotFit(f"{name}: {len(live)} requests exceed max_num_seqs={sched.max_num_seqs}")
+        """Build one step through the scheduler's own builder; raises :class:`_DoesNotFit` unless
+        every entry gets exactly its planned tokens (admission, budget, length cap and pool all
+        decided there, never here)."""
+        builder = self.builder
+        budget = builder.max_num_batched_tokens
         out = SchedulerOutput()
         planned: list[PlannedRequest] = []
         for e in entries:
             req = e.request
             c = req.num_computed_tokens
-            if c + e.num_new_tokens > self.max_model_len:
-                raise _DoesNotFit(f"{name}: {req.request_id} would pass max_model_len={self.max_model_len}")
-            lookahead = self.lookahead  # every warmup request's (see plan_warmup)
             before = self.manager.num_held_blocks(req.request_id)
-            new_ids = self.manager.allocate_slots(req, e.num_new_tokens, num_lookahead_tokens=lookahead)
-            if new_ids is None:
+            if e.is_new:
+                if not builder.has_seat(len(self.running), budget):
+                    raise _DoesNotFit(
+                        f"{name}: {req.request_id} finds no seat ({len(self.running)} running of "
+                        f"max_num_seqs={builder.max_num_seqs}, {budget} tokens left of "
+                        f"max_num_batched_tokens={builder.max_num_batched_tokens})"
+                    )
+                got = builder.add_waiting(out, req, budget)
+            else:
+                req.spec_token_ids = [1 + (i % 89) for i in range(e.num_spec)]
+                got = builder.add_running(out, req, budget)
+            if got is None:
                 raise _DoesNotFit(f"{name}: the pool has no room for {req.request_id}")
+            if not got and e.is_new:
+                raise _DoesNotFit(
+                    f"{name}: {req.request_id} cannot start: the pool has no room, or its prompt does "
+                    f"not fit the {budget} tokens left and chunked prefill is off"
+                )
+            if got > e.num_new_tokens:
+                raise RuntimeError(
+                    f"{name}: {req.request_id} has {got} tokens to schedule but the plan gave it "
+                    f"{e.num_new_tokens}: the planner lost track of the request's tokens"
+                )
+            if got != e.num_new_tokens:
+                raise _DoesNotFit(
+                    f"{name}: {e.num_new_tokens} tokens of {req.request_id} exceed the {budget} left of "
+                    f"max_num_batched_tokens={builder.max_num_batched_tokens}"
+                    if got == budget
+                    else f"{name}: {req.request_id} would pass max_model_len={self.max_model_len} "
+                    f"({c} computed + {e.num_new_tokens} scheduled; a step ends by max_model_len - 1)"
+                )
+            budget -= got
+            if e.is_new:
+                self.running[req.request_id] = req
             held = self.manager.get_block_ids(req.request_id)
             planned.append(
                 PlannedRequest(
                     req.request_id,
                     c,
-                    e.num_new_tokens,
+                    got,
                     e.num_spec,
-                    lookahead,
+                    self.lookahead,
                     held,
-                    self._crossings(before, held, c, c + e.num_new_tokens),
+                    self._crossings(before, held, c, c + got),
                 )
             )
-            if e.is_new:
-                self.running[req.request_id] = req
-                out.scheduled_new_reqs.append(
-                    NewRequestData(req.request_id, list(req.prompt_token_ids), req.sampling_params, held, c)
-                )
-            else:
-                out.scheduled_cached_reqs.append(CachedRequestData(req.request_id, new_ids, c))
-            out.num_scheduled_tokens[req.request_id] = e.num_new_tokens
-            # What the drafter writes past the tokens, whatever was reserved (a broken test plan
-            # reserves less; the runner drafts nothing only in a step declared without lookahead).
-            out.num_lookahead_tokens[req.request_id] = step_lookahead(self.config)
-            if e.num_spec:
-                out.scheduled_spec_decode_tokens[req.request_id] = [1 + (i % 89) for i in range(e.num_spec)]
         step = WarmupStep(name, kind, reason, out, planned)
         self.steps.append(step)
         return step
@@ -144,9 +159,8 @@ class _Simulator:
         for e in entries:
             req = e.request
             num_acc = e.num_spec if accepted is None else accepted.get(req.request_id, e.num_spec)
-            req.num_computed_tokens = computed_after_verify(
-                req.num_computed_tokens + e.num_new_tokens, e.num_spec, num_acc
-            )
+            # The builder moved the computed count past the scheduled tokens when it built the step.
+            req.num_computed_tokens = computed_after_verify(req.num_computed_tokens, e.num_spec, num_acc)
             # The scheduler appends the accepted drafts plus one sampled token once the prompt is done.
             num_out = req.num_computed_tokens + 1 - req.num_prompt_tokens
             if num_out > req.num_output_tokens:
@@ -333,11 +347,14 @@ class _Attempt:
         while prompt < 1:
             boundary += unit
             prompt = boundary - q - L + 1 if L else boundary - q + 1
-        if boundary + q + L > M:
+        # The crossing decode ends at most q tokens past the boundary (boundary + 1 without
+        # lookahead), and a step's tokens stay below max_model_len (the bonus token's position).
+        need = max(boundary + q + L, boundary + 2)
+        if need > M:
             plan.skipped.append(
                 SkippedStep(
                     "block_boundary",
-                    f"crossing a {unit}-token boundary needs {boundary + q + L} tokens > max_model_len={M}",
+                    f"crossing a {unit}-token boundary needs {need} tokens > max_model_len={M}",
                 )
             )
             return

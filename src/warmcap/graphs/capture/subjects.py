@@ -166,11 +166,12 @@ class DrafterSubject(GraphSubject[DraftInputs]):
         spread_uniform_padding(self.statics.buffers, spec)
 
     def refresh(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> dict[str, AttentionMetadata]:
-        return self.drafter.state_metadata(self.runner, metas, static=True)
+        return self.drafter.state_metadata(self.runner.draft_kv(), metas, static=True)
 
     def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
         ids, positions, features = self.statics.inputs(spec.phase, spec.num_tokens)
-        return self.drafter.forward_pass(self.runner, spec.phase, metas, ids, positions, features), []
+        kv = self.runner.draft_kv()
+        return self.drafter.forward_pass(kv, spec.phase, metas, ids, positions, features), []
 
     def shape(self, phase: str, inputs: DraftInputs) -> BatchShape:
         return pass_shape(phase, inputs.dp)

@@ -102,7 +102,7 @@ def _load(
     metas = b.attn_metadata(num_columns=num_blocks)
     # The state columns the pass itself would plan (rows matched to the persistent batch), made
     # here so the blocks the reference writes are known before it runs.
-    return subject.drafter.state_metadata(subject.runner, metas)
+    return subject.drafter.state_metadata(subject.runner.draft_kv(), metas)
 
 
 def _forward(
@@ -115,4 +115,5 @@ def _forward(
 ) -> torch.Tensor:
     """An eager drafter pass over the loaded static buffers with ``metas``."""
     positions = subject.buffers.positions[: dp.num_tokens]
-    return subject.drafter.forward_pass(subject.runner, phase, metas, input_ids, positions, features)
+    kv = subject.runner.draft_kv()
+    return subject.drafter.forward_pass(kv, phase, metas, input_ids, positions, features)
