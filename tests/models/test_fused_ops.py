@@ -6,7 +6,7 @@ refuses; the custom ops on fake tensors (what a graph-safety check or ``torch.co
 
 float32 and float16 match torch to the last bit or two; bfloat16 only within a few bf16 ulps,
 because Triton's interpreter rounds float32 to bfloat16 by truncation where torch (and Triton on a
-GPU) rounds to nearest; ``scripts/gpu_check.py`` (``check_fused_ops``) compares the compiled
+GPU) rounds to nearest; ``scripts/gpu_check.py`` (the ``fused_ops`` check) compares the compiled
 kernels on CUDA."""
 
 from __future__ import annotations
@@ -290,15 +290,12 @@ def test_a_model_on_the_fused_ops_generates_the_reference_tokens_and_logs_every_
 
 @pytest.mark.slow
 def test_gpu_checks_fused_ops_body_runs_on_cpu(monkeypatch):
-    # scripts/gpu_check.py's check_fused_ops, on CPU under the interpreter, so it cannot rot unseen.
-    import runpy
-    from pathlib import Path
+    # gpu_check's fused_ops check, on CPU under the interpreter, so it cannot rot unseen.
+    from warmcap.device_check_kernels import fused_op_comparison
 
     for env in ("WARMCAP_CPU_LAYER_OPS", "WARMCAP_CPU_GEMM", "WARMCAP_CPU_ATTENTION"):
         monkeypatch.setenv(env, "torch")
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-    check = runpy.run_path(str(script), run_name="gpu_check")["check_fused_ops"]
-    result = check(device="cpu", model="tiny-llama")
+    result = fused_op_comparison(device="cpu", model="tiny-llama")
     assert result["ok"], result
     steps = result["decode_step"]
     assert steps["fused"]["ops_per_layer"] < steps["torch"]["ops_per_layer"]
