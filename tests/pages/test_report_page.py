@@ -11,7 +11,14 @@ from page_dom import Page, check_numbers, network_references
 from typer.testing import CliRunner
 
 from warmcap.cli import app
+from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from warmcap.core.kv_spec import FullAttentionSpec, KVCacheGroup
 from warmcap.graphs.proof.report import CaptureReport
+from warmcap.pages.report_page import report_page
+from warmcap.pages.run_detail import run_detail
+from warmcap.warmup.audit import AuditResult
+from warmcap.warmup.planner import plan_warmup
+from warmcap.warmup.run import WarmupResult
 
 runner = CliRunner()
 
@@ -111,3 +118,23 @@ def test_a_drafter_writing_past_its_blocks_is_marked_on_its_cell_and_linked_to_t
     assert clean and not any(
         e.classes & {"stray", "violation"} for e in page.elements if e.ancestor("section") in clean
     )
+
+
+def test_a_run_without_the_audit_draws_its_steps_and_says_no_writes_were_recorded():
+    config = EngineConfig(
+        model=ModelConfig(model="tiny-llama", device="cpu"),
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128),
+        speculative=SpeculativeConfig.parse("draft_model:2"),
+    )
+    groups = [KVCacheGroup("full", FullAttentionSpec(16, num_kv_heads=1, head_size=8), ("l0",))]
+    plan = plan_warmup(config, groups, 64)
+    result = WarmupResult(plan=plan, audit=AuditResult())  # what run_warmup(audit=False) returns
+    report = CaptureReport(model="tiny-llama", device="cpu", backend="eager").to_dict()
+    html = report_page(report, run_detail(result))
+    page = Page(html)
+    check_numbers(page, {"": report, "plan": plan.to_json()})
+    assert len(page.with_class("blk")) == _cells(plan.to_json())
+    assert "the audit was off" in html and "slots per pass" not in html
+    # no graph was captured: every step says it runs eagerly
+    assert html.count("no graph fits") == len(plan.steps)
