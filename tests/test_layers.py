@@ -53,20 +53,6 @@ GRAPHS_FORBIDDEN: dict[str, frozenset[str]] = {
     "capture": frozenset({"proof", "startup", "hook"}),
     "proof": frozenset({"startup", "hook"}),
 }
-#: Type-only imports that close a cycle and predate the check, each with the work that removes it.
-#: The list only shrinks: an entry that no longer closes a cycle fails
-#: ``test_known_type_only_cycle_edges_are_still_needed``.
-KNOWN_TYPE_ONLY_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    # the drafter protocol's methods take the concrete runner
-    (
-        "warmcap.runner_v2.collaborators",
-        "warmcap.runner_v2.model_runner",
-    ): "issue 28 step 2 (drafters as callees)",
-    # the OpenAI routes type the server state that app.py defines
-    ("warmcap.serve.openai_api", "warmcap.serve.app"): "serve: the server state in a module of its own",
-}
-
-
 @dataclass(frozen=True, slots=True)
 class Import:
     importer: str
@@ -192,20 +178,9 @@ def _import_graph(
 
 
 def test_no_type_only_import_cycle() -> None:
-    graph = _import_graph(type_only=True, leave_out=frozenset(KNOWN_TYPE_ONLY_CYCLE_EDGES))
+    graph = _import_graph(type_only=True)
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle (type-only imports included): " + " -> ".join(cycle or [])
-
-
-def test_known_type_only_cycle_edges_are_still_needed() -> None:
-    for edge, owner in KNOWN_TYPE_ONLY_CYCLE_EDGES.items():
-        others = frozenset(KNOWN_TYPE_ONLY_CYCLE_EDGES) - {edge}
-        graph = _import_graph(type_only=True, leave_out=others)
-        importer, target = edge
-        assert target in graph.get(importer, set()), f"{edge} ({owner}) is gone: remove it from the list"
-        assert _find_cycle(graph) is not None, (
-            f"{edge} ({owner}) closes no cycle now: remove it from the list"
-        )
 
 
 def test_no_runtime_import_cycle() -> None:

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from openai import OpenAI
 
 from server_procs import free_port, parse_metrics
-from warmcap.serve.app import ServerState
+from warmcap.serve.state import ServerState
 
 STARTUP_TIMEOUT_S = 240.0
 

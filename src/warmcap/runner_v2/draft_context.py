@@ -23,8 +23,56 @@ if TYPE_CHECKING:
     import torch
 
     from warmcap.contracts.registry import BackendRegistry
-    from warmcap.runner_v2.collaborators import DraftPass
     from warmcap.runner_v2.input_batch import StepInputs
+
+
+@dataclass(slots=True)
+class DraftPass:
+    """One drafter forward over ragged per-request position spans."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # int64 [R] persistent-batch rows
+    query_start_loc: np.ndarray  # int32 [R + 1]
+    positions: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int32 [R]: last position written + 1
+
+    @classmethod
+    def spans(
+        cls, req_ids: Sequence[str], rows: np.ndarray, first: np.ndarray, lengths: np.ndarray
+    ) -> DraftPass:
+        """Request ``i`` queries positions ``first[i] .. first[i] + lengths[i] - 1``; requests with
+        no positions are dropped."""
+        keep = np.flatnonzero(lengths > 0)
+        lengths = lengths[keep].astype(np.int64)
+        first = first[keep].astype(np.int64)
+        qsl = np.zeros(len(keep) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=qsl[1:])
+        total = int(qsl[-1])
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1].astype(np.int64), lengths)
+        positions = np.repeat(first, lengths) + offsets
+        return cls(
+            req_ids=[req_ids[i] for i in keep.tolist()],
+            rows=rows[keep],
+            query_start_loc=qsl,
+            positions=positions,
+            seq_lens=(first + lengths).astype(np.int32),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return (self.query_start_loc[1:] - self.query_start_loc[:-1]).astype(np.int64)
+
+    def last_token_index(self) -> np.ndarray:
+        """Index, within the pass, of each request's last query token."""
+        return self.query_start_loc[1:].astype(np.int64) - 1
 
 
 @dataclass(frozen=True, slots=True)

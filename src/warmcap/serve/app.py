@@ -20,11 +20,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from warmcap import __version__
 from warmcap.serve.engine_loop import EngineLoop, StartFailure, State
-from warmcap.serve.errors import APIError, error_response, install_error_handlers
+from warmcap.serve.errors import error_response, install_error_handlers
 from warmcap.serve.metrics import ServingMetrics
 from warmcap.serve.openai_api import router
 from warmcap.serve.protocol import ModelCard, ModelList
 from warmcap.serve.startup_facts import StartedEngine, start_engine
+from warmcap.serve.state import ServerState, not_ready
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
@@ -49,34 +50,6 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     #: fill every free KV block with a poison value once start-up is done (a debugging check, ``serve/poison.py``)
     poison_free_kv: bool = False
-
-
-@dataclass(slots=True)
-class ServerState:
-    """What handlers share: the engine loop, metrics and the served model's name."""
-
-    loop: EngineLoop
-    metrics: ServingMetrics
-    model_name: str
-
-    @property
-    def max_model_len(self) -> int:
-        return self.loop.engine.config.max_model_len
-
-    def check_ready(self) -> None:
-        if self.loop.state is not State.READY:
-            raise APIError(503, _not_ready(self.loop), "engine_unavailable")
-
-    def check_model(self, name: str) -> None:
-        """404 for a model this server does not serve, as vLLM's server answers (``NotFoundError``
-        in the ``openai`` client)."""
-        if name != self.model_name:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist here; this server serves {self.model_name!r}",
-                "model_not_found",
-                "model",
-            )
 
 
 def build_app(
@@ -125,7 +98,7 @@ def build_app(
     async def health() -> Response:
         if loop.state is State.READY:
             return Response(status_code=200)
-        return error_response(503, _not_ready(loop), "engine_unavailable")
+        return error_response(503, not_ready(loop), "engine_unavailable")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -138,7 +111,7 @@ def build_app(
     @app.get("/startup")
     async def startup_report() -> Response:
         if loop.started is None:
-            return error_response(503, _not_ready(loop), "engine_unavailable")
+            return error_response(503, not_ready(loop), "engine_unavailable")
         # The start-up report, plus the serving audit's counts so far (null: --audit-serving off).
         report = json.loads(loop.started.report_json)
         counts = loop.serving_audit_counts()
@@ -161,14 +134,6 @@ def _poisoned(start: Callable[[], StartedEngine]) -> StartedEngine:
     started = start()
     poison_free_blocks(started.engine)
     return started
-
-
-def _not_ready(loop: EngineLoop) -> str:
-    if loop.state is State.FAILED:
-        return f"start-up failed: {loop.failure}"
-    if loop.state is State.STOPPED:
-        return "the server is shutting down"
-    return "the engine is still starting (warmup, audit, graph capture); retry when GET /health is 200"
 
 
 class _BearerAuth:

@@ -22,6 +22,7 @@ from warmcap.errors import ConfigError, WarmcapError
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.serve.chat import ChatPrompt, chat_token_ids
 from warmcap.warmup.audit import AuditViolationError
+from warmcap.warmup.serving_audit import ServingAuditCounts
 
 if TYPE_CHECKING:
     from warmcap.engine import LLMEngine, RequestOutput
@@ -64,19 +65,6 @@ class _Sink:
 
     def put(self, item: RequestOutput | EngineFailure) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
-
-
-@dataclass(frozen=True, slots=True)
-class ServingAuditCounts:
-    """The serving audit so far: steps audited, KV slots checked in the clean ones, and steps it
-    failed (a stray write ends its step's requests)."""
-
-    steps: int
-    slots_checked: int
-    violations: int
-
-    def to_json(self) -> dict[str, int]:
-        return {"steps": self.steps, "slots_checked": self.slots_checked, "violations": self.violations}
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ from warmcap.serve.streaming import Sent
 if TYPE_CHECKING:
     from warmcap.outputs import RequestOutput
     from warmcap.sampling_params import SamplingParams
-    from warmcap.serve.app import ServerState
+    from warmcap.serve.state import ServerState
 
 router = APIRouter()
 

@@ -58,3 +58,16 @@ class ServingAudit:
                 "slot mapping: report it with the model, the options and the prompts"
             )
         self.totals.merge(result)
+
+
+@dataclass(frozen=True, slots=True)
+class ServingAuditCounts:
+    """The serving audit so far: steps audited, KV slots checked in the clean ones, and steps it
+    failed (a stray write ends its step's requests)."""
+
+    steps: int
+    slots_checked: int
+    violations: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"steps": self.steps, "slots_checked": self.slots_checked, "violations": self.violations}
