@@ -1,9 +1,13 @@
 """The compiled per-layer ops (``layer_ops.c``): RMSNorm, RMSNorm after the residual add, RoPE in
 place, and the candidate test of the screened greedy head, for float32 decoders on CPU.
 
+Each is an operator torch sees (``torch.ops.warmcap``: ``rms_norm``, ``add_rms_norm``, ``rope_``,
+``greedy_candidates``): fake tensors and torch.compile run its fake implementation, real CPU tensors
+the C code.
+
 ``WARMCAP_CPU_LAYER_OPS`` (``auto``/``torch``/``kernel``, :mod:`.policy`) decides at model load
 (:func:`load_layer_ops`); a model keeps what it was given. Each op also checks its tensors on every
-call (:func:`~warmcap.cpu_kernels.policy.plain_cpu_tensors` and the layout it needs) and returns
+call (:func:`~warmcap.cpu_kernels.policy.kernel_can_take` and the layout it needs) and returns
 None where torch's ops must run instead, so callers keep their torch path beside it.
 """
 
@@ -12,14 +16,17 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
-from warmcap.cpu_kernels.policy import load_by_mode, plain_cpu_tensors
+from warmcap.cpu_kernels.build import load_library
+from warmcap.cpu_kernels.policy import kernel_can_take, load_by_mode
 
 log = logging.getLogger("warmcap.models")
 
 ENV = "WARMCAP_CPU_LAYER_OPS"
+SOURCE = "layer_ops.c"
 
 _i32 = ctypes.c_int32
 _i64 = ctypes.c_int64
@@ -29,6 +36,138 @@ _ROPE_ARGS = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i32]
 _GREEDY_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i32]
 
 
+@dataclass(frozen=True, slots=True)
+class _Functions:
+    rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rope: ctypes._CFuncPtr  # type: ignore[name-defined]
+    greedy: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+
+@cache
+def _bind(lib: ctypes.CDLL) -> _Functions:
+    """The library's functions, typed."""
+    rms_norm, rope, greedy = lib.warmcap_rms_norm, lib.warmcap_rope, lib.warmcap_greedy_candidates
+    rms_norm.argtypes, rms_norm.restype = _RMS_NORM_ARGS, None
+    rope.argtypes, rope.restype = _ROPE_ARGS, None
+    greedy.argtypes, greedy.restype = _GREEDY_ARGS, ctypes.c_int64
+    return _Functions(rms_norm, rope, greedy)
+
+
+@cache
+def _c() -> _Functions:
+    """:func:`_bind` on the library (loaded, and built first, when no caller has yet; once per process)."""
+    return _bind(load_library(SOURCE))
+
+
+def _norm(
+    out: torch.Tensor,
+    h: torch.Tensor | None,
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> None:
+    """``warmcap_rms_norm`` on checked tensors: ``out`` = norm of x (+ delta, stored to h)."""
+    _c().rms_norm(
+        out.data_ptr(),
+        None if h is None else h.data_ptr(),
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        eps,
+        torch.get_num_threads(),
+    )
+
+
+torch.library.define("warmcap::rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor")
+torch.library.define(
+    "warmcap::add_rms_norm", "(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)"
+)
+torch.library.define("warmcap::rope_", "(Tensor(a!) x, Tensor cos, Tensor sin) -> ()")
+torch.library.define(
+    "warmcap::greedy_candidates",
+    "(Tensor approx, Tensor cx, Tensor absolute, Tensor norms, Tensor(a!) scratch) -> (Tensor, Tensor)",
+)
+
+
+@torch.library.register_fake("warmcap::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
+@torch.library.impl("warmcap::rms_norm", "CPU")
+def _rms_norm_cpu(x, weight, eps):
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _norm(out, None, x, None, weight, eps)
+    return out
+
+
+@torch.library.register_fake("warmcap::add_rms_norm")
+def _add_rms_norm_fake(x, delta, weight, eps):
+    return _rms_norm_fake(x, weight, eps), _rms_norm_fake(x, weight, eps)
+
+
+@torch.library.impl("warmcap::add_rms_norm", "CPU")
+def _add_rms_norm_cpu(x, delta, weight, eps):
+    h = torch.empty(x.shape, dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _norm(out, h, x, delta, weight, eps)
+    return h, out
+
+
+@torch.library.register_fake("warmcap::rope_")
+def _rope_fake(x, cos, sin):
+    return None
+
+
+@torch.library.impl("warmcap::rope_", "CPU")
+def _rope_cpu(x, cos, sin):
+    t, heads, d = x.shape
+    _c().rope(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        t,
+        heads,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        torch.get_num_threads(),
+    )
+
+
+@torch.library.register_fake("warmcap::greedy_candidates")
+def _greedy_fake(approx, cx, absolute, norms, scratch):
+    found = torch.library.get_ctx().new_dynamic_size()
+    return cx.new_empty((found,), dtype=torch.int64), cx.new_empty((approx.shape[0], 1), dtype=torch.float32)
+
+
+@torch.library.impl("warmcap::greedy_candidates", "CPU")
+def _greedy_cpu(approx, cx, absolute, norms, scratch):
+    m, v = approx.shape
+    lo = torch.empty((m, 1), dtype=torch.float32)
+    ids = scratch[: 8 * v].view(torch.int64)
+    k = _c().greedy(
+        approx.data_ptr(),
+        approx.stride(0),
+        cx.data_ptr(),
+        absolute.data_ptr(),
+        norms.data_ptr(),
+        m,
+        v,
+        lo.data_ptr(),
+        scratch[8 * v :].data_ptr(),
+        ids.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return ids[:k].clone(), lo
+
+
 def _rows(x: torch.Tensor, n: int) -> bool:
     """x is ``[rows, n]`` with unit stride along n (any row stride)."""
     return x.dim() == 2 and x.shape[1] == n and x.stride(1) == 1
@@ -36,21 +175,16 @@ def _rows(x: torch.Tensor, n: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class LayerOps:
-    """The library's functions, bound."""
-
-    _rms_norm: ctypes._CFuncPtr  # type: ignore[name-defined]
-    _rope: ctypes._CFuncPtr  # type: ignore[name-defined]
-    _greedy: ctypes._CFuncPtr  # type: ignore[name-defined]
+    """The compiled layer ops, loaded (:func:`load_layer_ops`): each checks its tensors and runs
+    its operator, or returns None (False for :meth:`rope_`) for torch's ops to run instead."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``F.rms_norm(x, weight.shape, weight, eps)`` for x ``[rows, n]``; None when the kernel
         cannot take these tensors."""
         n = weight.shape[0]
-        if not (_rows(x, n) and weight.is_contiguous() and plain_cpu_tensors(x, weight)):
+        if not (_rows(x, n) and weight.is_contiguous() and kernel_can_take(x, weight)):
             return None
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self._norm(out, None, x, None, weight, eps)
-        return out
+        return torch.ops.warmcap.rms_norm.default(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
@@ -63,37 +197,10 @@ class LayerOps:
             and _rows(delta, n)
             and x.shape == delta.shape
             and weight.is_contiguous()
-            and plain_cpu_tensors(x, delta, weight)
+            and kernel_can_take(x, delta, weight)
         ):
             return None
-        h = torch.empty(x.shape, dtype=torch.float32)
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self._norm(out, h, x, delta, weight, eps)
-        return h, out
-
-    def _norm(
-        self,
-        out: torch.Tensor,
-        h: torch.Tensor | None,
-        x: torch.Tensor,
-        delta: torch.Tensor | None,
-        weight: torch.Tensor,
-        eps: float,
-    ) -> None:
-        """``warmcap_rms_norm`` on checked tensors: ``out`` = norm of x (+ delta, stored to h)."""
-        self._rms_norm(
-            out.data_ptr(),
-            None if h is None else h.data_ptr(),
-            x.data_ptr(),
-            x.stride(0),
-            None if delta is None else delta.data_ptr(),
-            0 if delta is None else delta.stride(0),
-            weight.data_ptr(),
-            x.shape[0],
-            weight.shape[0],
-            eps,
-            torch.get_num_threads(),
-        )
+        return torch.ops.warmcap.add_rms_norm.default(x, delta, weight, eps)
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate x ``[T, H, D]`` in place by cos/sin ``[T, D]``, bit for bit as
@@ -101,23 +208,12 @@ class LayerOps:
         these tensors."""
         if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
             return False
-        t, heads, d = x.shape
+        t, _, d = x.shape
         if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride(1) != 1 or sin.stride() != cos.stride():
             return False
-        if not plain_cpu_tensors(x, cos, sin):
+        if not kernel_can_take(x, cos, sin):
             return False
-        self._rope(
-            x.data_ptr(),
-            x.stride(0),
-            x.stride(1),
-            t,
-            heads,
-            d,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            cos.stride(0),
-            torch.get_num_threads(),
-        )
+        torch.ops.warmcap.rope_.default(x, cos, sin)
         return True
 
     def greedy_candidates(
@@ -146,35 +242,14 @@ class LayerOps:
             and scratch.dtype == torch.uint8
             and scratch.numel() >= 9 * v
             and scratch.is_contiguous()
-            and plain_cpu_tensors(cx, absolute, norms)
+            and kernel_can_take(cx, absolute, norms)
         ):
             return None
-        lo = torch.empty((m, 1), dtype=torch.float32)
-        ids = scratch[: 8 * v].view(torch.int64)
-        k = self._greedy(
-            approx.data_ptr(),
-            approx.stride(0),
-            cx.data_ptr(),
-            absolute.data_ptr(),
-            norms.data_ptr(),
-            m,
-            v,
-            lo.data_ptr(),
-            scratch[8 * v :].data_ptr(),
-            ids.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return ids[:k].clone(), lo
+        return torch.ops.warmcap.greedy_candidates.default(approx, cx, absolute, norms, scratch)
 
 
 def load_layer_ops() -> LayerOps | None:
     """The ops, or None for torch's (``torch`` mode, or ``auto`` and no working compiler: then one
     warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead."""
-    lib = load_by_mode(ENV, "layer_ops.c", what="the CPU layer ops", instead="torch's", log=log)
-    if lib is None:
-        return None
-    rms_norm, rope, greedy = lib.warmcap_rms_norm, lib.warmcap_rope, lib.warmcap_greedy_candidates
-    rms_norm.argtypes, rms_norm.restype = _RMS_NORM_ARGS, None
-    rope.argtypes, rope.restype = _ROPE_ARGS, None
-    greedy.argtypes, greedy.restype = _GREEDY_ARGS, ctypes.c_int64
-    return LayerOps(rms_norm, rope, greedy)
+    lib = load_by_mode(ENV, SOURCE, what="the CPU layer ops", instead="torch's", log=log, bind=_bind)
+    return None if lib is None else LayerOps()
