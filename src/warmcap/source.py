@@ -10,8 +10,8 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-#: the files that make up the package's behaviour: Python, data, the C kernels' sources
-SOURCE_SUFFIXES = (".py", ".json", ".c")
+#: the files that make up the package's behaviour: Python, data, the C kernels' sources and headers
+SOURCE_SUFFIXES = (".py", ".json", ".c", ".h")
 
 
 @cache

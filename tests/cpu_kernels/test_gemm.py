@@ -222,3 +222,14 @@ def test_a_model_through_the_gemm_generates_what_onednn_generates(monkeypatch) -
 
     assert_same_generation(generate_per_mode(monkeypatch, ENV, uses_the_gemm_in_kernel_mode_only))
     assert fused and all(fused), "every MLP of the kernel-mode engine ran the fused SiLU"
+
+
+def test_the_operator_called_directly_refuses_what_the_c_code_would_misread(cpu_gemm: Gemm) -> None:
+    packed = BlockedWeight.pack(torch.randn(32, 16))
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="do not fit 32 packed features"):
+        torch.ops.warmcap.gemm.default(x, packed.blocks, None, 48)
+    with pytest.raises(ValueError, match="x must be float32"):
+        torch.ops.warmcap.gemm.default(x.double(), packed.blocks, None, 32)
+    with pytest.raises(ValueError, match="blocks must be contiguous"):
+        torch.ops.warmcap.gemm.default(x, packed.blocks.transpose(1, 2), None, 32)

@@ -298,6 +298,38 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written():
     assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0)), "nothing may be written"
 
 
+def test_the_operator_called_directly_refuses_metadata_the_c_code_would_misread():
+    q, _, _, cache, meta = small_step(6, [(20, 1), (33, 1)])
+    inputs = KernelInputs.of(meta)
+    op = torch.ops.warmcap.paged_attention.default
+    with pytest.raises(ValueError, match="block_table must be contiguous int32"):
+        op(
+            q,
+            cache,
+            inputs.block_table.long(),
+            inputs.seq_lens,
+            inputs.query_start_loc,
+            0.125,
+            0,
+            None,
+            None,
+            None,
+        )
+    with pytest.raises(ValueError, match="must agree"):
+        op(
+            q,
+            cache,
+            inputs.block_table,
+            inputs.seq_lens[:1],
+            inputs.query_start_loc,
+            0.125,
+            0,
+            None,
+            None,
+            None,
+        )
+
+
 def small_step(seed: int, rows: list[tuple[int, int]], **overrides: object):
     """:func:`make_step` with SmolLM2's head shape per KV head (3 query heads of 64), 2 KV heads,
     16-token pages, no padding, window or shared page unless ``overrides`` say otherwise."""

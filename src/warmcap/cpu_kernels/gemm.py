@@ -123,10 +123,33 @@ def _scratch_of(floats: int) -> torch.Tensor:
     return buf
 
 
+def _check(silu: bool, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int) -> None:
+    """What the C GEMM assumes of its operator's tensors (raises ValueError)."""
+    if (
+        blocks.dim() != 3
+        or blocks.shape[2] != BLOCK
+        or blocks.dtype != torch.float32
+        or not blocks.is_contiguous()
+    ):
+        raise ValueError(
+            f"blocks must be contiguous float32 [N/16, K, 16] (BlockedWeight); got {tuple(blocks.shape)}"
+        )
+    if x.dim() == 0 or x.shape[-1] != blocks.shape[1] or x.dtype != torch.float32:
+        raise ValueError(f"x must be float32 [..., {blocks.shape[1]}]; got {x.dtype} {tuple(x.shape)}")
+    features = blocks.shape[0] * BLOCK
+    if n < 0 or (2 * n if silu else n) > features or (silu and n % BLOCK):
+        raise ValueError(f"{n} outputs do not fit {features} packed features")
+    if bias is not None and (
+        bias.dtype != torch.float32 or not bias.is_contiguous() or bias.numel() < features
+    ):
+        raise ValueError(f"bias must be contiguous float32 padded to {features}; got {tuple(bias.shape)}")
+
+
 def _run(
     silu: bool, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
     """One entry point of the C GEMM on x ``[..., K]``, ``n`` outputs per row."""
+    _check(silu, x, blocks, bias, n)
     k = blocks.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -153,9 +176,10 @@ def _run(
     return out.view(*lead, n)
 
 
-def _fake(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    if x.dim() == 0 or x.shape[-1] != blocks.shape[1]:
-        raise ValueError(f"x must be [..., {blocks.shape[1]}]; got {tuple(x.shape)}")
+def _fake(
+    silu: bool, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    _check(silu, x, blocks, bias, n)
     return x.new_empty((*x.shape[:-1], n), dtype=torch.float32)
 
 
@@ -163,7 +187,9 @@ def _fake(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, n: i
 # silu(gate) * up for n = I outputs, blocks holding the gate's and up's 2I features.
 for _name, _silu in (("gemm", False), ("gemm_silu_mul", True)):
     torch.library.define(f"warmcap::{_name}", "(Tensor x, Tensor blocks, Tensor? bias, int n) -> Tensor")
-    torch.library.register_fake(f"warmcap::{_name}", _fake)
+    torch.library.register_fake(
+        f"warmcap::{_name}", lambda x, blocks, bias, n, _silu=_silu: _fake(_silu, x, blocks, bias, n)
+    )
     torch.library.impl(
         f"warmcap::{_name}", "CPU", lambda x, blocks, bias, n, _silu=_silu: _run(_silu, x, blocks, bias, n)
     )

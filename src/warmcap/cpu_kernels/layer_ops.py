@@ -99,8 +99,46 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
+def _refuse(op: str, why: str) -> None:
+    raise ValueError(f"warmcap::{op}: {why} (LayerOps checks this before calling)")
+
+
+def _norm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _rows(x, weight.shape[0]) and weight.is_contiguous()
+
+
+def _rope_takes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
+        return False
+    t, _, d = x.shape
+    return cos.shape == (t, d) and sin.shape == (t, d) and cos.stride(1) == 1 and sin.stride() == cos.stride()
+
+
+def _greedy_takes(
+    approx: torch.Tensor, cx: torch.Tensor, absolute: torch.Tensor, norms: torch.Tensor, scratch: torch.Tensor
+) -> bool:
+    if approx.dim() != 2:
+        return False
+    m, v = approx.shape
+    return (
+        approx.dtype == torch.bfloat16
+        and approx.device.type == "cpu"
+        and approx.stride(1) == 1
+        and cx.shape == absolute.shape == (m, 1)
+        and norms.shape == (v,)
+        and cx.is_contiguous()
+        and absolute.is_contiguous()
+        and norms.is_contiguous()
+        and scratch.dtype == torch.uint8
+        and scratch.numel() >= 9 * v
+        and scratch.is_contiguous()
+    )
+
+
 @torch.library.impl("warmcap::rms_norm", "CPU")
 def _rms_norm_cpu(x, weight, eps):
+    if not (_norm_takes(x, weight) and kernel_can_take(x, weight)):
+        _refuse("rms_norm", "x must be float32 [rows, n] with unit stride in n, weight [n] contiguous")
     out = torch.empty(x.shape, dtype=torch.float32)
     _norm(out, None, x, None, weight, eps)
     return out
@@ -113,6 +151,10 @@ def _add_rms_norm_fake(x, delta, weight, eps):
 
 @torch.library.impl("warmcap::add_rms_norm", "CPU")
 def _add_rms_norm_cpu(x, delta, weight, eps):
+    if not (_norm_takes(x, weight) and _norm_takes(delta, weight) and x.shape == delta.shape):
+        _refuse("add_rms_norm", "x and delta must be [rows, n] alike with unit stride in n")
+    if not kernel_can_take(x, delta, weight):
+        _refuse("add_rms_norm", "float32 CPU tensors only")
     h = torch.empty(x.shape, dtype=torch.float32)
     out = torch.empty(x.shape, dtype=torch.float32)
     _norm(out, h, x, delta, weight, eps)
@@ -126,6 +168,8 @@ def _rope_fake(x, cos, sin):
 
 @torch.library.impl("warmcap::rope_", "CPU")
 def _rope_cpu(x, cos, sin):
+    if not (_rope_takes(x, cos, sin) and kernel_can_take(x, cos, sin)):
+        _refuse("rope_", "x must be float32 [T, H, D] (D even, unit stride) and cos/sin [T, D] alike")
     t, heads, d = x.shape
     _c().rope(
         x.data_ptr(),
@@ -149,6 +193,8 @@ def _greedy_fake(approx, cx, absolute, norms, scratch):
 
 @torch.library.impl("warmcap::greedy_candidates", "CPU")
 def _greedy_cpu(approx, cx, absolute, norms, scratch):
+    if not (_greedy_takes(approx, cx, absolute, norms, scratch) and kernel_can_take(cx, absolute, norms)):
+        _refuse("greedy_candidates", "see LayerOps.greedy_candidates for the tensors it takes")
     m, v = approx.shape
     lo = torch.empty((m, 1), dtype=torch.float32)
     ids = scratch[: 8 * v].view(torch.int64)
@@ -181,8 +227,7 @@ class LayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``F.rms_norm(x, weight.shape, weight, eps)`` for x ``[rows, n]``; None when the kernel
         cannot take these tensors."""
-        n = weight.shape[0]
-        if not (_rows(x, n) and weight.is_contiguous() and kernel_can_take(x, weight)):
+        if not (_norm_takes(x, weight) and kernel_can_take(x, weight)):
             return None
         return torch.ops.warmcap.rms_norm.default(x, weight, eps)
 
@@ -191,12 +236,10 @@ class LayerOps:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(h, rms_norm(h))`` for ``h = x + delta``, both ``[rows, n]``, in one pass; None when
         the kernel cannot take these tensors. ``h`` is exactly ``x + delta``."""
-        n = weight.shape[0]
         if not (
-            _rows(x, n)
-            and _rows(delta, n)
+            _norm_takes(x, weight)
+            and _norm_takes(delta, weight)
             and x.shape == delta.shape
-            and weight.is_contiguous()
             and kernel_can_take(x, delta, weight)
         ):
             return None
@@ -206,12 +249,7 @@ class LayerOps:
         """Rotate x ``[T, H, D]`` in place by cos/sin ``[T, D]``, bit for bit as
         :func:`~warmcap.models.rope.apply_rope`; False (x untouched) when the kernel cannot take
         these tensors."""
-        if x.dim() != 3 or x.stride(2) != 1 or x.shape[2] % 2:
-            return False
-        t, _, d = x.shape
-        if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride(1) != 1 or sin.stride() != cos.stride():
-            return False
-        if not kernel_can_take(x, cos, sin):
+        if not (_rope_takes(x, cos, sin) and kernel_can_take(x, cos, sin)):
             return False
         torch.ops.warmcap.rope_.default(x, cos, sin)
         return True
@@ -229,21 +267,7 @@ class LayerOps:
         ``lo`` (float32 ``[M, 1]``), for the bf16 screen ``approx`` ``[M, V]`` (unit stride in V),
         ``cx`` and ``absolute`` float32 ``[M, 1]`` and the row norms ``[V]``. ``scratch`` is uint8,
         at least ``9 * V`` bytes. None when the kernel cannot take these tensors."""
-        m, v = approx.shape
-        if not (
-            approx.dtype == torch.bfloat16
-            and approx.device.type == "cpu"
-            and approx.stride(1) == 1
-            and cx.shape == absolute.shape == (m, 1)
-            and norms.shape == (v,)
-            and cx.is_contiguous()
-            and absolute.is_contiguous()
-            and norms.is_contiguous()
-            and scratch.dtype == torch.uint8
-            and scratch.numel() >= 9 * v
-            and scratch.is_contiguous()
-            and kernel_can_take(cx, absolute, norms)
-        ):
+        if not (_greedy_takes(approx, cx, absolute, norms, scratch) and kernel_can_take(cx, absolute, norms)):
             return None
         return torch.ops.warmcap.greedy_candidates.default(approx, cx, absolute, norms, scratch)
 

@@ -1,4 +1,8 @@
-"""The compiled CPU paged-attention kernel (``paged_attention.c``): its binding and when it is used.
+"""The compiled CPU paged-attention kernel (``paged_attention.c``): its operator and when it is used.
+
+The kernel is the operator ``warmcap::paged_attention`` (``torch.ops.warmcap.paged_attention``): fake
+tensors and torch.compile run its fake implementation, real CPU tensors its C code, which takes one
+struct of arguments (``paged_attention.h``, mirrored by :class:`Params` and checked at load).
 
 ``WARMCAP_CPU_ATTENTION`` picks the CPU attention path (:mod:`.policy`): ``auto`` (default) uses the
 kernel when it builds and falls back to gather + SDPA with one warning when it does not; ``torch``
@@ -132,13 +136,13 @@ torch.library.define(
 
 @torch.library.register_fake("warmcap::paged_attention")
 def _paged_attention_fake(q, kv_cache, block_table, seq_lens, query_start_loc, scale, window, k, v, slots):
-    _check_shapes(q, kv_cache, k, v, slots)
+    _check_shapes(q, kv_cache, block_table, seq_lens, query_start_loc, k, v, slots)
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
 @torch.library.impl("warmcap::paged_attention", "CPU")
 def _paged_attention_cpu(q, kv_cache, block_table, seq_lens, query_start_loc, scale, window, k, v, slots):
-    _check_shapes(q, kv_cache, k, v, slots)
+    _check_shapes(q, kv_cache, block_table, seq_lens, query_start_loc, k, v, slots)
     t, hq, d = q.shape
     _, blocks, block_size, hkv, _ = kv_cache.shape
     out = torch.empty((t, hq, d), dtype=torch.float32)
@@ -176,6 +180,9 @@ def _paged_attention_cpu(q, kv_cache, block_table, seq_lens, query_start_loc, sc
 def _check_shapes(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
     slots: torch.Tensor | None,
@@ -193,6 +200,22 @@ def _check_shapes(
         )
     if not kv_cache.is_contiguous():
         raise ValueError("the kernel reads a contiguous KV cache")
+    for name, x in (
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if x.dtype != torch.int32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int32 (KernelInputs.of); got {x.dtype}")
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] != seq_lens.shape[0]
+        or query_start_loc.shape[0] != seq_lens.shape[0] + 1
+    ):
+        raise ValueError(
+            f"block_table [R, cols], seq_lens [R] and query_start_loc [R + 1] must agree; got "
+            f"{tuple(block_table.shape)}, {tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}"
+        )
     if k is None:
         return
     hkv, d = kv_cache.shape[3], kv_cache.shape[4]
