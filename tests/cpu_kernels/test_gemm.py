@@ -5,13 +5,15 @@ oneDNN's packed product generates."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mode_rig import assert_same_generation, generate_per_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from warmcap.cpu_kernels import gemm
 from warmcap.cpu_kernels.gemm import ENV, BlockedWeight, Gemm
 
 
@@ -172,8 +174,32 @@ def test_inputs_the_kernel_cannot_take_are_refused(cpu_gemm: Gemm) -> None:
     assert cpu_gemm.linear(torch.randn(2, 16).double(), packed) is None
     with torch.enable_grad():
         assert cpu_gemm.linear(torch.randn(2, 16).requires_grad_(), packed) is None, "autograd needs torch"
-    with FakeTensorMode() as mode:
-        assert cpu_gemm.linear(mode.from_tensor(torch.randn(2, 16)), packed) is None
+
+
+def test_fake_tensors_run_the_operators_fake_implementations_not_the_c_code(
+    cpu_gemm: Gemm, monkeypatch
+) -> None:
+    monkeypatch.setattr(gemm, "_entry_points", lambda: pytest.fail("fake tensors reached the C code"))
+    packed = BlockedWeight.pack(torch.randn(64, 16), torch.randn(64))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    x = mode.from_tensor(torch.randn(3, 5, 16))
+    with mode:
+        out, fused = cpu_gemm.linear(x, packed), cpu_gemm.silu_mul(x, packed)
+    assert isinstance(out, FakeTensor) and out.shape == (3, 5, 64)
+    assert isinstance(fused, FakeTensor) and fused.shape == (3, 5, 32)
+
+
+def test_torch_compile_traces_both_products_whole(cpu_gemm: Gemm) -> None:
+    packed = BlockedWeight.pack(torch.randn(64, 16), torch.randn(64))
+
+    def mlp(x):
+        return cpu_gemm.linear(cpu_gemm.silu_mul(x, packed), BlockedWeight.pack(torch.ones(8, 32))) * 2.0
+
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        want = mlp(x)
+        got = torch.compile(mlp, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(got, want)
 
 
 def test_a_model_through_the_gemm_generates_what_onednn_generates(monkeypatch) -> None:
@@ -196,3 +222,14 @@ def test_a_model_through_the_gemm_generates_what_onednn_generates(monkeypatch) -
 
     assert_same_generation(generate_per_mode(monkeypatch, ENV, uses_the_gemm_in_kernel_mode_only))
     assert fused and all(fused), "every MLP of the kernel-mode engine ran the fused SiLU"
+
+
+def test_the_operator_called_directly_refuses_what_the_c_code_would_misread(cpu_gemm: Gemm) -> None:
+    packed = BlockedWeight.pack(torch.randn(32, 16))
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="do not fit 32 packed features"):
+        torch.ops.warmcap.gemm.default(x, packed.blocks, None, 48)
+    with pytest.raises(ValueError, match="x must be float32"):
+        torch.ops.warmcap.gemm.default(x.double(), packed.blocks, None, 32)
+    with pytest.raises(ValueError, match="blocks must be contiguous"):
+        torch.ops.warmcap.gemm.default(x, packed.blocks.transpose(1, 2), None, 32)

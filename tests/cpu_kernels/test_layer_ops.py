@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mode_rig import assert_same_generation, generate_per_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 
+from warmcap.cpu_kernels import layer_ops
 from warmcap.cpu_kernels.layer_ops import ENV, LayerOps
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 
@@ -123,9 +124,6 @@ def test_tensors_the_kernels_cannot_take_are_refused_untouched(ops):
     assert ops.add_rms_norm(x, torch.randn(3, 64), w, 1e-5) is None
     with torch.enable_grad():
         assert ops.rms_norm(x.requires_grad_(), w, 1e-5) is None, "autograd must see torch's ops"
-    with FakeTensorMode() as mode:
-        fake = mode.from_tensor(torch.randn(4, 64))
-        assert ops.rms_norm(fake, mode.from_tensor(w), 1e-5) is None
     q = torch.randn(3, 2, 8)
     cos, sin = torch.randn(3, 8), torch.randn(3, 8)
     before = q.clone()
@@ -140,6 +138,51 @@ def test_tensors_the_kernels_cannot_take_are_refused_untouched(ops):
     assert ops.greedy_candidates(approx.float(), c, c, norms, scratch) is None, "the screen is bf16"
     assert ops.greedy_candidates(approx, c, c, norms[:49], scratch) is None, "one norm per id"
     assert ops.greedy_candidates(approx, c, c, norms, scratch[:-1]) is None, "scratch too small"
+
+
+def test_fake_tensors_run_the_operators_fake_implementations_not_the_c_code(ops, monkeypatch):
+    """The graph-safety check and torch.compile see each op as an operator with its output shapes;
+    the C code never gets a tensor without data."""
+    monkeypatch.setattr(layer_ops, "_c", lambda: pytest.fail("fake tensors reached the C code"))
+    mode = FakeTensorMode()
+    x, d, w = (mode.from_tensor(t) for t in (torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)))
+    q, cos, sin = (mode.from_tensor(t) for t in (torch.randn(3, 2, 8), torch.randn(3, 8), torch.randn(3, 8)))
+    approx = mode.from_tensor(torch.randn(2, 50).bfloat16())
+    c, norms = mode.from_tensor(torch.rand(2, 1)), mode.from_tensor(torch.rand(50))
+    scratch = mode.from_tensor(torch.empty(9 * 50, dtype=torch.uint8))
+    with mode:
+        out = ops.rms_norm(x, w, 1e-5)
+        h, normed = ops.add_rms_norm(x, d, w, 1e-5)
+        assert ops.rope_(q, cos, sin)
+        # How many candidates there are depends on the data, as torch.nonzero's count does: said so,
+        # as for nonzero (what the graph-safety check reports as a data-dependent shape).
+        with pytest.raises(DynamicOutputShapeException, match="greedy_candidates"):
+            ops.greedy_candidates(approx, c, c, norms, scratch)
+    for t in (out, h, normed):
+        assert isinstance(t, FakeTensor) and t.shape == (4, 64) and t.dtype == torch.float32
+
+
+def test_torch_compile_traces_the_ops_whole(ops):
+    """fullgraph=True fails on any graph break: norm, residual norm and the in-place RoPE are traced
+    as operators and give the eager bits."""
+
+    def layer(x, d, w, q, cos, sin):
+        h, normed = ops.add_rms_norm(x, d, w, 1e-5)
+        assert ops.rope_(q, cos, sin)
+        return ops.rms_norm(normed, w, 1e-5), h, q * 1.0
+
+    args = (
+        torch.randn(4, 64),
+        torch.randn(4, 64),
+        torch.randn(64),
+        torch.randn(4, 3, 8),
+        torch.randn(4, 8),
+        torch.randn(4, 8),
+    )
+    want = layer(*[a.clone() for a in args])
+    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(*[a.clone() for a in args])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_model_through_the_layer_ops_generates_what_torch_ops_generate(monkeypatch):

@@ -16,10 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from paged_metadata import paged_metadata
 from warmcap.contracts import PAD_SLOT_ID
-from warmcap.cpu_kernels import build
+from warmcap.cpu_kernels import build, paged_attention
 from warmcap.cpu_kernels.paged_attention import (
     ENV,
     MAX_QUERY_LEN,
@@ -199,18 +200,65 @@ def test_graph_steps_read_pages_in_place_at_any_span(kernel_calls: list[int]):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_fake_tensors_never_reach_the_kernel(kernel_calls: list[int]):
-    """The graph-safety check runs the forward on fakes (no data to point at): it must see the
-    torch path, not hand the kernel a null pointer."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+@pytest.fixture
+def c_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Grows by one for every call into the C kernel (the operator's CPU implementation)."""
+    calls: list[int] = []
+    real = paged_attention._entry_point
 
+    def spy():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(paged_attention, "_entry_point", spy)
+    return calls
+
+
+def test_fake_tensors_run_the_kernel_operator_not_the_c_code(kernel_calls: list[int], c_calls: list[int]):
+    """The graph-safety check runs the forward on fakes: it must see the kernel's operator (whose
+    fake implementation gives the output's shape) and never hand the C code a tensor without data."""
     q, k, v, cache, meta = _step_for_fallback()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(x) for x in (q, k, v, cache)]
     with mode:
-        out = KERNEL.forward(*fakes, meta, scale=0.125)
-    assert out.shape == q.shape
-    assert kernel_calls == []
+        # a backend of its own: its plan cache now holds fakes (graph_safety.py restores the runner's)
+        out = backend("kernel").forward(*fakes, meta, scale=0.125)
+    assert isinstance(out, FakeTensor) and out.shape == q.shape and out.dtype == q.dtype
+    assert kernel_calls == [1] and c_calls == []
+    KERNEL.forward(q, k, v, cache, meta, scale=0.125)
+    assert kernel_calls == [1, 1] and c_calls == [1]
+
+
+def test_torch_compile_traces_the_kernel_as_one_operator():
+    """fullgraph=True fails on any graph break: the operator (which writes the cache) is traced
+    whole, and the compiled call gives the eager bits and the same cache writes."""
+    q, k, v, cache, meta = small_step(4, [(20, 1), (33, 2)])
+    kernel = load_paged_attention()
+    assert kernel is not None
+    inputs = KernelInputs.of(meta)
+    slots = torch_paged.sink_slots(meta.slot_mapping[: q.shape[0]], cache)
+
+    def step(q, cache, k, v):
+        return kernel(q, cache, inputs, scale=0.125, window=None, new_kv=(k, v, slots)) * 2.0
+
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    want = step(q, eager_cache, k, v)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, compiled_cache, k, v)
+    assert torch.equal(got, want)
+    assert torch.equal(compiled_cache.nan_to_num(7.0), eager_cache.nan_to_num(7.0))
+
+
+def test_a_params_struct_out_of_step_with_the_header_is_refused(monkeypatch):
+    """The Python mirror of ``struct warmcap_pa_params`` is checked against the library's layout
+    at load: a mismatch is a clear build error (auto mode falls back), never a misread argument."""
+    lib = build.load_library(paged_attention.SOURCE)
+    monkeypatch.setattr(paged_attention.Params, "VERSION", paged_attention.Params.VERSION + 1)
+    paged_attention._bind.cache_clear()
+    try:
+        with pytest.raises(build.KernelBuildError, match=r"paged_attention\.h and its Python mirror"):
+            paged_attention._bind(lib)
+    finally:
+        paged_attention._bind.cache_clear()
 
 
 def test_one_openmp_runtime_is_mapped_after_the_kernel_runs_on_two_threads():
@@ -272,6 +320,38 @@ def test_a_write_slot_outside_the_cache_is_refused_before_anything_is_written():
     with pytest.raises(RuntimeError, match="a KV write slot outside the cache"):
         kernel(q, cache, inputs, scale=0.125, window=None, new_kv=(k, v, slots))
     assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0)), "nothing may be written"
+
+
+def test_the_operator_called_directly_refuses_metadata_the_c_code_would_misread():
+    q, _, _, cache, meta = small_step(6, [(20, 1), (33, 1)])
+    inputs = KernelInputs.of(meta)
+    op = torch.ops.warmcap.paged_attention.default
+    with pytest.raises(ValueError, match="block_table must be contiguous int32"):
+        op(
+            q,
+            cache,
+            inputs.block_table.long(),
+            inputs.seq_lens,
+            inputs.query_start_loc,
+            0.125,
+            0,
+            None,
+            None,
+            None,
+        )
+    with pytest.raises(ValueError, match="must agree"):
+        op(
+            q,
+            cache,
+            inputs.block_table,
+            inputs.seq_lens[:1],
+            inputs.query_start_loc,
+            0.125,
+            0,
+            None,
+            None,
+            None,
+        )
 
 
 def small_step(seed: int, rows: list[tuple[int, int]], **overrides: object):

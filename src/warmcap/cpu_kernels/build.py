@@ -2,9 +2,15 @@
 
 The shared library's name is keyed by a sha256 of everything that changes the machine code: the
 source and the package's headers, the flags, the compiler's version and the CPU's feature flags
-(``-march=native``). A build goes to a temporary file that is renamed into place, so processes
-starting together each either find a finished library or build their own copy; none loads a
-half-written file.
+(``-march=native``). Processes starting together (tensor-parallel ranks) take a file lock beside the
+library (``<name>.lock``, filelock) before building: one builds, the others wait and load what it
+built. A build goes to a temporary file that is renamed into place, so no process ever loads a
+half-written library.
+
+A failed compile is remembered under the same key (``<name>.failed``, holding the compiler's
+message): every later process on the machine gets that failure back at once, flagged
+:attr:`KernelBuildError.recorded`, instead of paying the compile again; the process that tried the
+build is the one that reports it (:mod:`.policy`). Deleting the record retries.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import tempfile
 from functools import cache
 from importlib import resources
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from warmcap.errors import WarmcapError
 from warmcap.paths import cache_dir
@@ -39,12 +47,23 @@ def flags_of(source: str) -> tuple[str, ...]:
 
 
 _STDERR_TAIL = 2000
+#: seconds one compile may take
+COMPILE_TIMEOUT_S = 300
+#: seconds a process waits for another's build before giving up (a compile and some slack)
+LOCK_TIMEOUT_S = COMPILE_TIMEOUT_S + 60
 
 _loaded: dict[Path, ctypes.CDLL] = {}
 
 
 class KernelBuildError(WarmcapError):
-    """A CPU kernel could not be compiled or loaded (no C compiler, a compile error, a bad library)."""
+    """A CPU kernel could not be compiled or loaded (no C compiler, a compile error, a bad library).
+
+    ``recorded``: the failure is an earlier build's, read from the cache (nothing was compiled now).
+    """
+
+    def __init__(self, message: str, *, recorded: bool = False) -> None:
+        super().__init__(message)
+        self.recorded = recorded
 
 
 def compiler() -> str | None:
@@ -110,7 +129,14 @@ def library_path(source: str, cc: str) -> Path:
     return kernels_dir() / f"{Path(source).stem}-{digest.hexdigest()[:16]}.so"
 
 
+def failure_path(library: Path) -> Path:
+    """Where a failed build of ``library`` is recorded (same key, ``.failed``)."""
+    return library.with_suffix(".failed")
+
+
 def _compile(source: str, cc: str, target: Path) -> None:
+    """Build ``source`` into ``target``; a compiler that fails or times out is recorded
+    (:func:`failure_path`) before the error is raised."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
     os.close(fd)
@@ -120,14 +146,20 @@ def _compile(source: str, cc: str, target: Path) -> None:
                 [cc, *flags_of(source), str(src), "-o", tmp, "-lm"],
                 capture_output=True,
                 text=True,
-                timeout=300,
+                timeout=COMPILE_TIMEOUT_S,
             )
         if done.returncode != 0:
-            raise KernelBuildError(
+            message = (
                 f"compiling {source} with {cc!r} failed (exit {done.returncode}): "
                 f"{done.stderr.strip()[-_STDERR_TAIL:]}"
             )
+            _record_failure(target, message)
+            raise KernelBuildError(message)
         os.replace(tmp, target)
+    except subprocess.TimeoutExpired as exc:
+        message = f"compiling {source} with {cc!r} took over {COMPILE_TIMEOUT_S} s: {exc}"
+        _record_failure(target, message)
+        raise KernelBuildError(message) from exc
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"compiling {source} with {cc!r} failed: {exc}") from exc
     finally:
@@ -135,10 +167,51 @@ def _compile(source: str, cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _record_failure(target: Path, message: str) -> None:
+    """Write ``message`` as the failure record of ``target`` (whole or not at all)."""
+    record = failure_path(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{record.name}-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(message)
+    os.replace(tmp, record)
+
+
+def _recorded_failure(target: Path) -> KernelBuildError | None:
+    record = failure_path(target)
+    try:
+        message = record.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    return KernelBuildError(
+        f"{message} (an earlier build on this machine; delete {record} to try again)", recorded=True
+    )
+
+
+def _build_once(source: str, cc: str, path: Path) -> None:
+    """Make ``path`` exist: built here under the build lock unless another process built it or
+    recorded its failure meanwhile (then that failure is raised)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path.with_suffix(".lock"), timeout=LOCK_TIMEOUT_S)
+    try:
+        with lock:
+            if path.exists():
+                return
+            failed = _recorded_failure(path)
+            if failed is not None:
+                raise failed
+            _compile(source, cc, path)
+    except Timeout as exc:
+        raise KernelBuildError(
+            f"waited {LOCK_TIMEOUT_S} s for another process building {path.name} (lock {lock.lock_file}); "
+            "delete the lock file if no warmcap process is running"
+        ) from exc
+
+
 def load_library(source: str) -> ctypes.CDLL:
     """The shared library of this package's C file ``source``, built first when not cached yet.
 
-    Raises :class:`KernelBuildError` when there is no compiler or the build or load fails.
+    Raises :class:`KernelBuildError` when there is no compiler or the build or load fails, or an
+    earlier build with the same key failed (``recorded``).
     """
     cc = compiler()
     if cc is None:
@@ -148,7 +221,10 @@ def load_library(source: str) -> ctypes.CDLL:
     if lib is not None:
         return lib
     if not path.exists():
-        _compile(source, cc, path)
+        failed = _recorded_failure(path)
+        if failed is not None:
+            raise failed
+        _build_once(source, cc, path)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

@@ -30,12 +30,36 @@
 
 #include "exp_nonpositive.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-/* the same vector read from memory that may be only float-aligned (vmovups) */
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-
 #define BLOCK 16
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/*
+ * The accumulator: one vector register of the target. A column block (16 floats) is PER_BLOCK of
+ * them: one zmm on AVX-512, two ymm otherwise. NOTE: a 64-byte GCC vector on a target with 32-byte
+ * registers is lowered through memory, and an array of them stays on the stack: every k then loads
+ * and stores each accumulator.
+ */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+
+/*
+ * How the weights ahead are prefetched: past every cache but L1 (0: a tile reads its block once) on
+ * AVX-512. Where a row tile is split into sub-tiles (below), each re-reads the block, which must then
+ * still be in L2 (2): measured on the AVX2 build, L2 prefetch ran the products of 12 SmolLM2 layers
+ * 3-5x faster than the non-temporal one with the same tiles (BENCHMARKS.md).
+ */
+#if defined(__AVX512F__)
+#define WEIGHT_LOCALITY 0
+#else
+#define WEIGHT_LOCALITY 2
+#endif
+#define PER_BLOCK (BLOCK / LANES)
+typedef float vec __attribute__((vector_size(LANES * 4)));
+/* the same vector read from memory that may be only float-aligned (vmovups) */
+typedef float vecu __attribute__((vector_size(LANES * 4), aligned(4)));
 
 /* Rows [m, M) of tile t are zero; the tile lives at xt[t * K * 16]. */
 static void transpose_tile(const float *restrict x, int64_t ldx, float *restrict xt, int64_t rows, int64_t k_dim)
@@ -59,39 +83,42 @@ ALWAYS_INLINE void tile(const float *restrict xt, const float *restrict w, int64
                         float *restrict out, int64_t ldo, int64_t rows, int64_t cols, const float *restrict bias,
                         const int R, const int C)
 {
-    /* Fixed sizes (R * C <= 16, C <= 8), not [R * C]: a variable-length array stays in memory. */
-    v16 acc[16];
-    for (int i = 0; i < R * C; ++i) {
-        acc[i] = (v16){0};
+    /* Fixed sizes (R * C <= 16 blocks, C <= 8), not [R * C]: a variable-length array stays in memory. */
+    vec acc[16 * PER_BLOCK];
+    const int V = C * PER_BLOCK; /* vectors per row */
+    for (int i = 0; i < R * V; ++i) {
+        acc[i] = (vec){0};
     }
     for (int64_t k = 0; k < k_dim; ++k) {
-        v16 wv[8];
+        vec wv[8 * PER_BLOCK];
         for (int c = 0; c < C; ++c) {
-            wv[c] = *(const v16u *)(w + c * bstride + k * BLOCK);
-            __builtin_prefetch(w + c * bstride + (k + 16) * BLOCK, 0, 0);
+            for (int h = 0; h < PER_BLOCK; ++h) {
+                wv[c * PER_BLOCK + h] = *(const vecu *)(w + c * bstride + k * BLOCK + h * LANES);
+            }
+            __builtin_prefetch(w + c * bstride + (k + 16) * BLOCK, 0, WEIGHT_LOCALITY);
         }
         const float *xk = xt + k * BLOCK;
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
             const float xr = xk[r];
-#pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) {
-                acc[r * C + c] += xr * wv[c];
+#pragma GCC unroll 16
+            for (int j = 0; j < V; ++j) {
+                acc[r * V + j] += xr * wv[j];
             }
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
         float *o = out + r * ldo;
-        for (int c = 0; c < C; ++c) {
-            const int64_t n0 = (int64_t)c * BLOCK;
+        for (int j = 0; j < V; ++j) {
+            const int64_t n0 = (int64_t)j * LANES;
             if (n0 >= cols) {
                 break;
             }
-            v16 v = acc[r * C + c];
+            vec v = acc[r * V + j];
             if (bias != NULL) {
-                v += *(const v16u *)(bias + n0);
+                v += *(const vecu *)(bias + n0);
             }
-            if (cols - n0 >= BLOCK) {
+            if (cols - n0 >= LANES) {
                 __builtin_memcpy(o + n0, &v, sizeof v);
             } else {
                 for (int64_t i = 0; i < cols - n0; ++i) {
@@ -102,11 +129,32 @@ ALWAYS_INLINE void tile(const float *restrict xt, const float *restrict w, int64
     }
 }
 
-/* The most column blocks a tile of R rows takes at once: R * C <= 16 accumulators, C <= 8. */
+/*
+ * The register budget of a tile, chosen at compile time from the target's vector registers: R x C
+ * accumulators of 16 floats, the C weight vectors of the current k and x[r, k] broadcast must all
+ * stay in registers, or every k spills and reloads them (counted with objdump: BENCHMARKS.md).
+ *
+ * AVX-512 (32 zmm; a 16-float vector is one): R x C <= 16 accumulators and C <= 8, at most 25
+ * registers; tiles of up to 16 rows.
+ *
+ * Otherwise (AVX2's 16 ymm, where a 16-float vector is two; NEON's 32 q registers, four): 2RC + 2C
+ * + 1 <= 16 ymm, so R x C + C <= 7: tiles of at most 6 rows (C = 1), 2 rows x 2 blocks, or 1 row x 4
+ * blocks (its weights are read once each, straight into the multiply-add, so they need no
+ * register). A row tile of more rows is split into sub-tiles of equal height (16 = 5 + 5 + 6).
+ */
+#if defined(__AVX512F__)
+#define MAX_TILE_ROWS 16
 static int max_blocks(int64_t rows)
 {
     return rows <= 2 ? 8 : rows <= 4 ? 4 : rows <= 8 ? 2 : 1;
 }
+#else
+#define MAX_TILE_ROWS 6
+static int max_blocks(int64_t rows)
+{
+    return rows <= 1 ? 4 : rows <= 2 ? 2 : 1;
+}
+#endif
 
 #define TILE_CASE(RR, CC)                                                                                       \
     case (RR) * 16 + (CC):                                                                                      \
@@ -116,11 +164,13 @@ static int max_blocks(int64_t rows)
 #define TILE_CASES_4(RR) TILE_CASE(RR, 1) TILE_CASE(RR, 2) TILE_CASE(RR, 4)
 #define TILE_CASES_2(RR) TILE_CASE(RR, 1) TILE_CASE(RR, 2)
 
-/* A tile of exactly `rows` rows (R = rows: no padded rows are multiplied) against C blocks. */
+/* A tile of exactly `rows` rows (R = rows: no padded rows are multiplied) against C blocks: the
+ * (R, C) pairs max_blocks allows, and the narrower ones the end of a range may need. */
 static void tile_rc(int64_t rows, int c_blocks, const float *xt, const float *w, int64_t bstride, int64_t k_dim,
                     float *out, int64_t ldo, int64_t cols, const float *bias)
 {
     switch (rows * 16 + c_blocks) {
+#if defined(__AVX512F__)
         TILE_CASES_8(1)
         TILE_CASES_8(2)
         TILE_CASES_4(3)
@@ -137,8 +187,34 @@ static void tile_rc(int64_t rows, int c_blocks, const float *xt, const float *w,
         TILE_CASE(14, 1)
         TILE_CASE(15, 1)
         TILE_CASE(16, 1)
+#else
+        TILE_CASES_4(1)
+        TILE_CASES_2(2)
+        TILE_CASE(3, 1)
+        TILE_CASE(4, 1)
+        TILE_CASE(5, 1)
+        TILE_CASE(6, 1)
+#endif
     default:
         break;
+    }
+}
+
+/* How many sub-tiles a row tile of `rows` rows is split into (1 where it fits the budget). */
+static int64_t sub_tiles(int64_t rows)
+{
+    return (rows + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS;
+}
+
+/* tile_rc over a row tile of any height up to 16, as sub-tiles of equal height: the sub-tile of rows
+ * [r0, r1) reads x[r0..r1) (at xt + r0: a tile keeps 16 rows per k) and writes out's rows r0..r1. */
+static void tile_rows(int64_t rows, int c_blocks, const float *xt, const float *w, int64_t bstride,
+                      int64_t k_dim, float *out, int64_t ldo, int64_t cols, const float *bias)
+{
+    const int64_t n = sub_tiles(rows);
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r0 = rows * i / n, r1 = rows * (i + 1) / n;
+        tile_rc(r1 - r0, c_blocks, xt + r0, w, bstride, k_dim, out + r0 * ldo, ldo, cols, bias);
     }
 }
 
@@ -172,7 +248,7 @@ static void column_range(const float *xt_all, const float *wp, const float *bias
             const int64_t rows = m_dim - t * BLOCK < BLOCK ? m_dim - t * BLOCK : BLOCK;
             const float *xt = xt_all + t * bstride;
             for (int64_t b = c0; b < c1;) {
-                int c = max_blocks(rows);
+                int c = max_blocks((rows + sub_tiles(rows) - 1) / sub_tiles(rows));
                 while (c > 1 && b + c > c1) {
                     c >>= 1;
                 }
@@ -180,12 +256,12 @@ static void column_range(const float *xt_all, const float *wp, const float *bias
                 const int64_t cols = n_dim - n0 < (int64_t)c * BLOCK ? n_dim - n0 : (int64_t)c * BLOCK;
                 float *o = out + t * BLOCK * ldo + n0;
                 if (up == NULL) {
-                    tile_rc(rows, c, xt, wp + b * bstride, bstride, k_dim, o, ldo, cols,
+                    tile_rows(rows, c, xt, wp + b * bstride, bstride, k_dim, o, ldo, cols,
                             bias == NULL ? NULL : bias + n0);
                 } else {
-                    tile_rc(rows, c, xt, wp + b * bstride, bstride, k_dim, gate_tile, cols, cols,
+                    tile_rows(rows, c, xt, wp + b * bstride, bstride, k_dim, gate_tile, cols, cols,
                             bias == NULL ? NULL : bias + n0);
-                    tile_rc(rows, c, xt, up + b * bstride, bstride, k_dim, up_tile, cols, cols,
+                    tile_rows(rows, c, xt, up + b * bstride, bstride, k_dim, up_tile, cols, cols,
                             up_bias == NULL ? NULL : up_bias + n0);
                     for (int64_t r = 0; r < rows; ++r) {
                         const float *g = gate_tile + r * cols, *u = up_tile + r * cols;

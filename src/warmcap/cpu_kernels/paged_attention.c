@@ -19,11 +19,13 @@
  */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "exp_nonpositive.h"
+#include "paged_attention.h"
 
 enum {
     WARMCAP_OK = 0,
@@ -247,30 +249,64 @@ static int attend(
 }
 
 /*
- * out [T, Hq, D] contiguous (fully written); q [T, Hq, D] with unit stride in D and the given token
- * and head strides; block_table [R, cols]; seq_lens [R]; qsl [R + 1]. k, v [num_writes, Hkv, D]
- * (unit stride in D) are written at slots [num_writes] first, unless k is NULL. Returns 0 or a
- * WARMCAP_* error (a table naming a block outside the cache, a position past the table's columns, a
- * write slot outside the cache, no memory).
+ * The version, size and field offsets of struct warmcap_pa_params, for the Python mirror to check
+ * (paged_attention.h). Writes up to n entries to out; returns how many there are.
+ */
+#define WARMCAP_PA_FIELD(f) (int64_t) offsetof(struct warmcap_pa_params, f)
+int32_t warmcap_paged_attention_layout(int64_t *out, int32_t n)
+{
+    const int64_t layout[] = {
+        WARMCAP_PA_PARAMS_VERSION, (int64_t)sizeof(struct warmcap_pa_params),
+        WARMCAP_PA_FIELD(out), WARMCAP_PA_FIELD(q), WARMCAP_PA_FIELD(q_stride_t), WARMCAP_PA_FIELD(q_stride_h),
+        WARMCAP_PA_FIELD(kv_cache), WARMCAP_PA_FIELD(block_table), WARMCAP_PA_FIELD(seq_lens),
+        WARMCAP_PA_FIELD(qsl), WARMCAP_PA_FIELD(num_tokens), WARMCAP_PA_FIELD(num_blocks), WARMCAP_PA_FIELD(cols),
+        WARMCAP_PA_FIELD(num_reqs), WARMCAP_PA_FIELD(hq), WARMCAP_PA_FIELD(hkv), WARMCAP_PA_FIELD(d),
+        WARMCAP_PA_FIELD(block_size), WARMCAP_PA_FIELD(window), WARMCAP_PA_FIELD(scale),
+        WARMCAP_PA_FIELD(num_threads), WARMCAP_PA_FIELD(reserved), WARMCAP_PA_FIELD(k),
+        WARMCAP_PA_FIELD(k_stride_t), WARMCAP_PA_FIELD(k_stride_h), WARMCAP_PA_FIELD(v),
+        WARMCAP_PA_FIELD(v_stride_t), WARMCAP_PA_FIELD(v_stride_h), WARMCAP_PA_FIELD(slots),
+        WARMCAP_PA_FIELD(num_writes),
+    };
+    const int32_t count = (int32_t)(sizeof layout / sizeof layout[0]);
+    for (int32_t i = 0; i < count && i < n; ++i) {
+        out[i] = layout[i];
+    }
+    return count;
+}
+#undef WARMCAP_PA_FIELD
+
+/*
+ * One call over the struct's arguments (paged_attention.h): out [T, Hq, D] contiguous (fully
+ * written); q [T, Hq, D] with unit stride in D and the given token and head strides; block_table
+ * [R, cols]; seq_lens [R]; qsl [R + 1]. k, v [num_writes, Hkv, D] (unit stride in D) are written at
+ * slots [num_writes] first, unless k is NULL. Returns 0 or a WARMCAP_* error (a table naming a
+ * block outside the cache, a position past the table's columns, a write slot outside the cache, no
+ * memory).
  *
  * Work is split by row (all of a row's heads in one task, which reads its pages whole) when there are
  * at least as many rows as threads, else by (row, KV head) so that few rows still fill the threads.
  */
-int warmcap_paged_attention(
-    float *out, const float *q, int64_t q_stride_t, int64_t q_stride_h, float *kv_cache,
-    const int32_t *block_table, int32_t cols, const int32_t *seq_lens, const int32_t *qsl,
-    int64_t num_tokens, int32_t num_reqs, int32_t hq, int32_t hkv, int32_t d, int64_t num_blocks,
-    int32_t block_size, int32_t window, float scale, int32_t num_threads, const float *k, int64_t k_stride_t,
-    int64_t k_stride_h, const float *v, int64_t v_stride_t, int64_t v_stride_h, const int64_t *slots,
-    int64_t num_writes)
+int warmcap_paged_attention(const struct warmcap_pa_params *p)
 {
+    float *out = p->out;
+    const float *q = p->q;
+    const int64_t q_stride_t = p->q_stride_t, q_stride_h = p->q_stride_h;
+    const int32_t *block_table = p->block_table, *seq_lens = p->seq_lens, *qsl = p->qsl;
+    const int32_t cols = p->cols, num_reqs = p->num_reqs, hq = p->hq, hkv = p->hkv, d = p->d;
+    const int64_t num_tokens = p->num_tokens, num_blocks = p->num_blocks, num_writes = p->num_writes;
+    const int32_t block_size = p->block_size, window = p->window, num_threads = p->num_threads;
+    const float scale = p->scale;
+    const float *k = p->k, *v = p->v;
+    const int64_t k_stride_t = p->k_stride_t, k_stride_h = p->k_stride_h;
+    const int64_t v_stride_t = p->v_stride_t, v_stride_h = p->v_stride_h;
+    const int64_t *slots = p->slots;
     if (hkv <= 0 || hq % hkv != 0 || d <= 0 || block_size <= 0 || num_reqs < 0 || cols < 0 || num_writes < 0) {
         return WARMCAP_BAD_SHAPE;
     }
     const int32_t group = hq / hkv;
     const int64_t token_stride = (int64_t)hkv * d;
-    float *k_cache = kv_cache;
-    float *v_cache = kv_cache + num_blocks * block_size * token_stride;
+    float *k_cache = p->kv_cache;
+    float *v_cache = p->kv_cache + num_blocks * block_size * token_stride;
     const int64_t real_tokens = num_reqs > 0 ? qsl[num_reqs] : 0;
     if (real_tokens < 0 || real_tokens > num_tokens) {
         return WARMCAP_BAD_SHAPE;

@@ -1,9 +1,10 @@
 """When a compiled CPU kernel is used: the switch each kernel family has (``auto``, ``torch``,
 ``kernel``) and the tensors a kernel may be handed.
 
-``auto`` (the default) uses the kernel when it builds and falls back to torch with one warning when
-it does not; ``torch`` never uses it; ``kernel`` requires it and fails start-up when it cannot be
-built.
+``auto`` (the default) uses the kernel when it builds and falls back to torch when it does not, with
+one warning per machine: the process whose build failed warns, later ones find the failure recorded
+(:mod:`.build`) and say so at INFO level only. ``torch`` never uses the kernel; ``kernel`` requires it
+and fails start-up when it cannot be built.
 """
 
 from __future__ import annotations
@@ -11,18 +12,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from warmcap.cpu_kernels.build import KernelBuildError, load_library
 from warmcap.errors import ConfigError
 
 Mode = Literal["auto", "torch", "kernel"]
 MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
-#: the tensor types a kernel may read: plain tensors and parameters (not fakes or other subclasses)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def kernel_mode(env: str) -> Mode:
@@ -34,35 +33,44 @@ def kernel_mode(env: str) -> Mode:
 
 
 def load_by_mode(
-    env: str, source: str, *, what: str, instead: str, log: logging.Logger
+    env: str,
+    source: str,
+    *,
+    what: str,
+    instead: str,
+    log: logging.Logger,
+    bind: Callable[[ctypes.CDLL], object] | None = None,
 ) -> ctypes.CDLL | None:
     """The library built from ``source`` as ``$env`` allows: None in ``torch`` mode, or in ``auto``
-    mode when it cannot be built (then one warning on ``log`` naming ``what`` is unavailable and
-    ``instead`` runs); ``kernel`` mode raises :class:`ConfigError` instead."""
+    mode when it cannot be built (then a warning on ``log`` naming ``what`` is unavailable and
+    ``instead`` runs, or an INFO line when the failure is an earlier process's, recorded in the
+    cache); ``kernel`` mode raises :class:`ConfigError` instead. ``bind(lib)`` runs on the loaded
+    library first, and may refuse it with a :class:`KernelBuildError` of its own."""
     mode = kernel_mode(env)
     if mode == "torch":
         return None
     try:
-        return load_library(source)
+        lib = load_library(source)
+        if bind is not None:
+            bind(lib)
+        return lib
     except KernelBuildError as exc:
         if mode == "kernel":
             raise ConfigError(f"{env}=kernel but {what} cannot be built: {exc}") from exc
-        log.warning("%s is unavailable, using %s (set %s=torch to silence): %s", what, instead, env, exc)
+        level = logging.INFO if exc.recorded else logging.WARNING
+        log.log(level, "%s is unavailable, using %s (set %s=torch to silence): %s", what, instead, env, exc)
         return None
 
 
-def plain_cpu_tensors(*tensors: torch.Tensor) -> bool:
-    """Whether a kernel reading raw pointers may be handed these tensors: float32 CPU tensors (or
-    parameters) that are not fake, with nothing tracing the call and no gradient to record.
-
-    NOTE: fake tensors (``graphs/proof/safety.py``) have no data, and ``torch.compile`` (the
-    ``compile`` graph backend) would break its graph around every opaque call: both keep torch's ops,
-    as CUDA does.
-    """
+def kernel_can_take(*tensors: torch.Tensor) -> bool:
+    """Whether a compiled kernel's operator (``torch.ops.warmcap``) may be handed these tensors:
+    float32 on CPU, with no gradient to record (the operators have no backward; autograd keeps
+    torch's ops). Fake tensors and torch.compile's tracing are fine: they run the operator's fake
+    implementation."""
     grad = torch.is_grad_enabled()
     for x in tensors:
-        if type(x) not in _PLAIN or x.device.type != "cpu" or x.dtype != torch.float32:
+        if x.device.type != "cpu" or x.dtype != torch.float32:
             return False
         if grad and x.requires_grad:
             return False
-    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+    return True

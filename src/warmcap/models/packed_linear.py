@@ -236,12 +236,24 @@ def prepacked_bytes(modules: list[nn.Module], device: torch.device, *, batch_inv
 
 
 @contextmanager
-def running_unpacked(modules: Iterable[nn.Module]) -> Iterator[None]:
+def running_unpacked(modules: Iterable[nn.Module], *, keep_compiled: bool = False) -> Iterator[None]:
     """Within the block, the :class:`PackedLinear` among ``modules`` multiply by their parameter as a
     plain ``nn.Linear`` does (their packed copies kept, nothing re-packed on exit). For passes that
     swap parameters for other tensors, e.g. fake ones (``graphs/proof/safety.py``): the packed copy
-    is a oneDNN tensor outside such a swap."""
-    packed = [m for m in modules if type(m) is PackedLinear]
+    is a oneDNN tensor outside such a swap.
+
+    ``keep_compiled``: linears packed for the compiled GEMM stay packed (its operators have fake
+    implementations; a fake-tensor pass that allows real inputs runs them on the packed copy's
+    shapes), so the pass sees the GEMM calls, and the grouped RoPE, that a real step makes."""
+    packed = [
+        m
+        for m in modules
+        if type(m) is PackedLinear
+        and not (
+            keep_compiled
+            and isinstance(m.packed_weight if m.group is None else m.group.weight, BlockedWeight)
+        )
+    ]
     for module in packed:
         module.__class__ = nn.Linear
     try:

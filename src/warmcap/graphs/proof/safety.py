@@ -243,6 +243,7 @@ def _fakes_installed(capturer: GraphCapturer, faker: _Faker) -> Iterator[None]:
     modules = _modules(capturer)
     # NOTE: a CPU linear's oneDNN-packed weight copy is not a parameter and cannot be faked; the
     # linears multiply by their (fake) parameters instead, as they do on CUDA, which never packs.
+    # Linears packed for the compiled GEMM keep their packing: its operators run on fakes.
     try:
         for module in modules:
             for table in (module._parameters, module._buffers):
@@ -251,7 +252,7 @@ def _fakes_installed(capturer: GraphCapturer, faker: _Faker) -> Iterator[None]:
                         swapped.append((table, name, t))
                         table[name] = faker.tensor(t, name)
         with (
-            running_unpacked(modules),
+            running_unpacked(modules, keep_compiled=True),
             runner.substituted(
                 buffers=faker.copy(runner.buffers), kv_caches=fake_kv, draft_buffers=fake_statics
             ),

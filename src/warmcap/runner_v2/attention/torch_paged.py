@@ -22,7 +22,7 @@ from warmcap.cpu_kernels.paged_attention import (
     PagedAttentionKernel,
     load_paged_attention,
 )
-from warmcap.cpu_kernels.policy import plain_cpu_tensors
+from warmcap.cpu_kernels.policy import kernel_can_take
 
 _MAX_CACHED_PLANS = 8
 
@@ -71,9 +71,11 @@ def token_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, 
 
 
 def _kernel_can_read(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The compiled CPU kernel may run on these tensors: a plain contiguous float32 CPU cache and a
-    plain query, with nothing tracing the forward (:func:`~warmcap.cpu_kernels.policy.plain_cpu_tensors`)."""
-    return type(q) is torch.Tensor and kv_cache.is_contiguous() and plain_cpu_tensors(kv_cache)
+    """The compiled CPU kernel may run on these tensors: a contiguous float32 CPU cache, a CPU query
+    and no gradient to record (:func:`~warmcap.cpu_kernels.policy.kernel_can_take`; fake tensors run
+    the kernel operator's fake implementation)."""
+    grad = q.requires_grad and torch.is_grad_enabled()
+    return q.device.type == "cpu" and not grad and kv_cache.is_contiguous() and kernel_can_take(kv_cache)
 
 
 def _capturing() -> bool:
