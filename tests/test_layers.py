@@ -53,6 +53,8 @@ GRAPHS_FORBIDDEN: dict[str, frozenset[str]] = {
     "capture": frozenset({"proof", "startup", "hook"}),
     "proof": frozenset({"startup", "hook"}),
 }
+
+
 @dataclass(frozen=True, slots=True)
 class Import:
     importer: str
