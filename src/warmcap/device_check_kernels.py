@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from warmcap.core.reservation import block_aligned_len
 from warmcap.device_check import CheckContext, EngineCase, check, check_engine, timed
 
 
@@ -53,7 +54,7 @@ def _paged_case(
     slots, qsl, seq_lens = [], [0], []
     for r, (computed, scheduled) in enumerate(rows):
         seq = computed + scheduled
-        pages = [free.pop() for _ in range(-(-seq // block_size))]
+        pages = [free.pop() for _ in range(block_aligned_len(seq, block_size) // block_size)]
         first_visible = 0 if window is None else max(0, computed - window + 1)
         table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         pos = torch.arange(seq)

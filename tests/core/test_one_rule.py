@@ -20,8 +20,10 @@ _OPERAND = r"[\w.\[\]]+"
 
 # Each pattern runs on one logical line: tokens joined by single spaces, except around ``.``, ``[``
 # and ``]`` so that ``self.block_size`` and ``seq_lens[i]`` stay one operand.
+# NOTE: Triton's own ``tl.cdiv`` / ``triton.cdiv`` count a kernel's tiles and launch grid, never KV
+# blocks (the kernels read the block tables the runner built), so they are not block arithmetic.
 PATTERNS: dict[str, re.Pattern[str]] = {
-    "cdiv call": re.compile(r"\bcdiv\s*\("),
+    "cdiv call": re.compile(r"(?<!\btl\.)(?<!\btriton\.)\bcdiv\s*\("),
     "(a + b - 1) // b": re.compile(rf"\+\s*{_OPERAND}\s*-\s*1\s*\)\s*//"),
     "(a - 1) // b + 1": re.compile(rf"\(\s*{_OPERAND}\s*-\s*1\s*\)\s*//\s*{_OPERAND}\s*\+\s*1\b"),
     "-(-a // b)": re.compile(r"-\s*\(\s*-[^/]*//"),
@@ -90,6 +92,8 @@ def test_scanner_catches_ceiling_division(snippet):
         "# blocks = cdiv(n, bs) is computed by the rule",
         'doc = "cdiv(min(c + s + L, M), bs)"',
         "x = -(n // bs)",
+        "grid = (rows, triton.cdiv(n, BLOCK))",
+        "chunk = tl.cdiv(span, SPLITS) * BLOCK_N",
     ],
 )
 def test_scanner_allows_floor_division_and_mentions(snippet):

@@ -290,9 +290,9 @@ def launch_shape(
     width needs it for memory reasons - never, so 1)."""
     block_q = max(1, min(_pow2_at_least(max_query_len), 2 ** int(math.log2(max(1, _MAX_BLOCK_M // group)))))
     block_m = max(16, _pow2_at_least(block_q * group))
-    tiles = max(1, -(-max(max_query_len, 1) // block_q))
+    tiles = max(1, triton.cdiv(max(max_query_len, 1), block_q))
     base = max(1, rows * tiles * kv_heads)
-    splits = max(1, min(MAX_SPLITS, -(-width // KEYS_PER_SPLIT), -(-programs // base)))
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(width, KEYS_PER_SPLIT), triton.cdiv(programs, base)))
     return block_q, block_m, tiles, splits
 
 
