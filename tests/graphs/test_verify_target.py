@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from graph_fixtures import make_rig
 
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.engine import LLMEngine
 from warmcap.graphs.capture.capturer import CapturedGraph, GraphCapturer
 from warmcap.graphs.proof import verify
 from warmcap.graphs.proof.verify import GraphCheck, verify_graphs
+from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:
@@ -177,3 +179,26 @@ def test_every_graph_of_the_presets_verifies(model: str, spec: str | None, mode:
         assert check.verified, check
         assert check.max_abs_diff == 0.0 and check.greedy_match
         assert check.real_rows_max_abs_diff <= 1e-5
+
+
+def test_the_reference_recomputes_each_row_so_a_misread_context_is_caught(monkeypatch) -> None:
+    """The real rows' reference is a full recompute (each row's context and step in one prefill
+    from position 0), which reads no context from the cache: attention that misreads cached
+    context, in the replay and the padded pass alike, cannot also be their reference."""
+    rig = make_rig()
+    capturer = GraphCapturer(rig.runner, "static", capture_sizes=[4, 8])
+    graphs = capturer.capture().graphs
+    assert all(c.verified for c in verify_graphs(capturer, graphs, rig.manager))
+    honest = TorchPagedAttention.forward
+
+    def misread(self, q, k, v, kv_cache, meta, **kwargs):
+        out = honest(self, q, k, v, kv_cache, meta, **kwargs)
+        r = meta.num_reqs
+        query_lens = meta.query_start_loc[1 : r + 1] - meta.query_start_loc[:r]
+        reads_cache = bool((meta.seq_lens[:r] > query_lens).any())
+        return out + 0.5 if reads_cache else out
+
+    monkeypatch.setattr(TorchPagedAttention, "forward", misread)
+    checks = verify_graphs(capturer, graphs, rig.manager)
+    assert checks and not any(c.verified for c in checks)
+    assert all(c.real_rows_max_abs_diff > 1e-2 for c in checks)

@@ -110,6 +110,10 @@ class KVCaches:
         if ids.numel() == 0:
             return
         wanted = None if groups is None else set(groups)
+        # One host-to-device copy of the ids per device, not one per layer (each a stream sync on CUDA).
+        on_device: dict[torch.device, torch.Tensor] = {}
         for layer, tensor in self.tensors.items():
             if wanted is None or self.layer_to_group[layer] in wanted:
-                tensor.index_fill_(self._block_dims[layer], ids.to(tensor.device), 0)
+                if tensor.device not in on_device:
+                    on_device[tensor.device] = ids.to(tensor.device)
+                tensor.index_fill_(self._block_dims[layer], on_device[tensor.device], 0)

@@ -1,16 +1,19 @@
 """Invariant I4: every captured graph, replayed on a real padded batch, equals eager.
 
 For each graph, target or drafter, a real batch with fewer requests / tokens than the graph holds
-(so there is padding) is laid out on blocks taken from the KV cache manager; its rows' contexts are
-written by eager prefills (the graph's subject sets the batch up: :mod:`warmcap.graphs.proof.verify_batch`), then
+(so there is padding) is laid out on blocks taken from the KV cache manager, each row with a context
+(the batch's vocabulary: :mod:`warmcap.graphs.proof.verify_batch`; each subject's passes:
+:data:`PASS_BUILDERS`), then
 
-1. the unpadded batch runs eagerly (the reference for real rows),
+1. the unpadded batch runs eagerly (the reference for real rows; for target graphs a full
+   recompute of each row from position 0, which writes the contexts too: :mod:`.verify_target`),
 2. the batch is padded into the graph's buffers and replayed,
 3. the same padded inputs run eagerly over the graph's metadata;
 
 replay vs 3 must agree everywhere (bit-equal on CPU); replay vs 1 within the real-row tolerance on
 the real rows' outputs (target graphs: auxiliary hidden states too) *and* on what the real rows
-wrote into the cache, with the same greedy tokens.
+wrote into the cache, with the same greedy tokens. Every number of a check is reduced on the
+device and read back in one transfer: one host sync per graph (:func:`_numbers`).
 
 What the real rows wrote depends on the group's spec: attention and latent (MLA, indexer) groups
 hold one entry per token, compared at the real tokens' slots; Mamba groups hold one whole state per
@@ -67,9 +70,10 @@ class Tolerance:
     real_rows: float
     relative: bool = True
 
-    def real_rows_limit(self, reference: list[torch.Tensor]) -> float:
-        """The real-row bound for a comparison against ``reference``."""
-        return self.real_rows * magnitude(reference) if self.relative else self.real_rows
+    def real_rows_limit(self, peak: float) -> float:
+        """The real-row bound for a comparison against a reference whose :func:`magnitude` is
+        ``peak``."""
+        return self.real_rows * peak if self.relative else self.real_rows
 
 
 def default_tolerance(
@@ -175,9 +179,7 @@ def _verify_one(
         with scratch_tables(runner, manager, spec.label, sizes) as (tables, num_blocks):
             passes = PASS_BUILDERS[spec.subject](subject, graph, layout, tables, num_blocks, rng, vocab)
             t, caches = sum(layout.query_lens), runner.kv_caches.tensors
-            written = [
-                _layer_written(g, passes.metas[g.name], caches[x], t) for g in groups for x in g.layer_names
-            ]
+            written = [w for g in groups for w in _group_written(g, passes.metas[g.name], caches, t)]
             return _check(spec.label, passes, written, tol)
     except PoolTooSmallError:
         return GraphCheck.unverified(spec.label, "KV pool too small")
@@ -195,15 +197,21 @@ def _check(label: str, passes: Passes, written: list[Written], tol: Tolerance) -
     eager_padded = passes.padded_eager()
 
     t = reference[0].shape[0]
-    diff = max_abs_all(replayed, eager_padded)
-    real_diff = max_abs_all([o[:t] for o in replayed] + kv_replayed, reference + kv_reference)
-    real_tol = tol.real_rows_limit(reference + kv_reference)
+    real_replayed = [o[:t] for o in replayed]
     greedy_ref, greedy_graph = passes.greedy(reference[0]), passes.greedy(replayed[0][:t])
-    greedy = greedy_ref is None or bool(torch.equal(greedy_ref, greedy_graph))
+    diff, real_diff, peak, finite, greedy_same = _numbers(
+        max_abs_all(replayed, eager_padded),
+        max_abs_all(real_replayed + kv_replayed, reference + kv_reference),
+        magnitude(reference + kv_reference),
+        # NOTE: NaN in replay and eager alike compares equal (padded rows may be NaN): real rows
+        # that are not finite must fail on their own, or a model with NaN weights would verify.
+        all_finite(real_replayed + reference),
+        same_tokens(greedy_ref, greedy_graph, reference[0].device),
+    )
+    greedy = bool(greedy_same)
+    real_tol = tol.real_rows_limit(peak)
     unwritten = sorted({w.group for w in written if w.is_state and w.index.numel() == 0})
-    # NOTE: NaN in replay and eager alike compares equal (padded rows may be NaN): real rows that
-    # are not finite must fail on their own, or a model with NaN weights would verify.
-    nonfinite = any(not bool(torch.isfinite(x).all()) for x in [o[:t] for o in replayed] + reference)
+    nonfinite = not finite
     ok = diff <= tol.replay_vs_eager and real_diff <= real_tol and greedy and not unwritten and not nonfinite
     reason = f"real rows wrote no state in {', '.join(unwritten)}" if unwritten else ""
     if nonfinite:
@@ -222,8 +230,25 @@ class Written:
     index: torch.Tensor
 
 
-def _layer_written(group: KVCacheGroup, meta: AttentionMetadata, cache: torch.Tensor, t: int) -> Written:
-    """What the first ``t`` (real) tokens of a pass over ``meta`` write into ``cache``."""
+def _group_written(
+    group: KVCacheGroup, meta: AttentionMetadata, caches: dict[str, torch.Tensor], t: int
+) -> list[Written]:
+    """What the first ``t`` (real) tokens of a pass over ``meta`` write into each layer's cache of
+    ``group`` (the layers of a group share their slots: worked out once)."""
+    first = caches[group.layer_names[0]]
+    index = _written_index(group, meta, first, t)
+    if isinstance(group.spec, MambaSpec):
+        return [Written(group.name, True, caches[x], index) for x in group.layer_names]
+    dim = KV_LAYOUTS[group.spec.kind].block_dim
+    return [
+        Written(group.name, False, caches[x].flatten(dim, dim + 1).movedim(dim, 0), index)
+        for x in group.layer_names
+    ]
+
+
+def _written_index(group: KVCacheGroup, meta: AttentionMetadata, cache: torch.Tensor, t: int) -> torch.Tensor:
+    """The entries of ``cache`` (one layer of ``group``) the first ``t`` tokens write: whole states'
+    blocks, or token slots."""
     if isinstance(group.spec, MambaSpec):
         # ``[num_blocks + 1, state]``: one state per block; the last row is the PAD sink.
         if not isinstance(meta, MambaMetadata) or meta.write_blocks is None:
@@ -233,11 +258,9 @@ def _layer_written(group: KVCacheGroup, meta: AttentionMetadata, cache: torch.Te
             )
         blocks = meta.write_blocks[:t].to(torch.int64)
         sink = cache.shape[0] - 1
-        return Written(group.name, True, cache, torch.unique(blocks[(blocks >= 0) & (blocks != sink)]))
+        return torch.unique(blocks[(blocks >= 0) & (blocks != sink)])
     # One entry per token (attention K and V, a latent): slot s is (block, offset) flattened.
-    dim = KV_LAYOUTS[group.spec.kind].block_dim
-    slots = meta.slot_mapping[:t].to(torch.int64).clone()
-    return Written(group.name, False, cache.flatten(dim, dim + 1).movedim(dim, 0), slots)
+    return meta.slot_mapping[:t].to(torch.int64).clone()
 
 
 def _restore(written: list[Written], values: list[torch.Tensor]) -> None:
@@ -245,29 +268,56 @@ def _restore(written: list[Written], values: list[torch.Tensor]) -> None:
         w.view[w.index] = v
 
 
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b|; positions NaN in both count as equal (padded rows with no keys may be NaN
-    in replay and eager alike), a NaN on one side only as infinite."""
+def _numbers(*scalars: torch.Tensor) -> list[float]:
+    """0-dim device tensors as floats, in one device-to-host transfer."""
+    device = scalars[0].device
+    return torch.stack([x.to(device, torch.float32) for x in scalars]).tolist()
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Every element of ``tensors`` as one float32 vector (one reduction instead of one a tensor)."""
+    return torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Largest |a - b| (0-dim, on the device); positions NaN in both count as equal (padded rows
+    with no keys may be NaN in replay and eager alike), a NaN on one side only as infinite."""
     if a.numel() == 0:
-        return 0.0
+        return torch.zeros((), device=a.device)
     a, b = a.float(), b.float()
     both = torch.isnan(a) & torch.isnan(b)
     diff = torch.where(both, torch.zeros_like(a), (a - b).abs())
-    return float(torch.nan_to_num(diff, nan=float("inf")).max())
+    return torch.nan_to_num(diff, nan=float("inf")).max()
 
 
-def magnitude(tensors: list[torch.Tensor]) -> float:
-    """Scale of the real-row tolerance: the largest finite |value| of ``tensors``, at least 1."""
-    peaks = [
-        float(torch.nan_to_num(t.float(), nan=0.0, posinf=0.0, neginf=0.0).abs().max())
-        for t in tensors
-        if t.numel()
-    ]
-    return max([1.0, *peaks])
+def max_abs_all(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """``max_abs`` over pairs of tensors (an extra or missing tensor, or a pair of different
+    shapes, is a mismatch: infinite)."""
+    device = (a or b or [torch.zeros(0)])[0].device
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)):
+        return torch.full((), float("inf"), device=device)
+    if not a:
+        return torch.zeros((), device=device)
+    return max_abs(_flat(a), _flat(b))
 
 
-def max_abs_all(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """``max_abs`` over pairs of tensors (an extra or missing tensor is a mismatch)."""
-    if len(a) != len(b):
-        return float("inf")
-    return max((max_abs(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
+def magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Scale of the real-row tolerance: the largest finite |value| of ``tensors``, at least 1
+    (0-dim, on the device)."""
+    flat = _flat(tensors)
+    peak = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0).abs().max() if flat.numel() else flat.sum()
+    return torch.clamp(peak, min=1.0)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every element of ``tensors`` is finite (0-dim bool, on the device)."""
+    return torch.isfinite(_flat(tensors)).all()
+
+
+def same_tokens(a: torch.Tensor | None, b: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Whether two passes picked the same greedy tokens (None: the pass picks none; 0-dim bool)."""
+    if a is None:
+        return torch.ones((), dtype=torch.bool, device=device)
+    if b is None or a.shape != b.shape:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return (a == b).all()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from warmcap.core.request import Request
+from warmcap.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from warmcap.runner_v2.model_runner import ModelRunner
 
 VERIFY_REQ_PREFIX = "graph-verify-"
+#: the settings of every scratch request (never sampled from: one shared, validated once)
+_SCRATCH_PARAMS = SamplingParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,10 @@ def scratch_tables(
     ``num_tokens[i]`` tokens each; yields host block tables per group ``[R, width]`` and the widest
     row. On exit the requests are freed tail first (restoring the free-queue order) and their blocks
     zeroed in every layer."""
-    requests = [Request(f"{VERIFY_REQ_PREFIX}{label}-{i}", []) for i in range(len(num_tokens))]
+    requests = [
+        Request(f"{VERIFY_REQ_PREFIX}{label}-{i}", [], sampling_params=_SCRATCH_PARAMS)
+        for i in range(len(num_tokens))
+    ]
     taken: list[Request] = []
     try:
         for req, n in zip(requests, num_tokens, strict=True):
@@ -121,4 +127,18 @@ def context_chunks(contexts: list[int], max_tokens: int) -> list[list[int]]:
             total = 0
         chunks[-1].append(i)
         total += c
+    return chunks
+
+
+def row_chunks(sizes: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive rows grouped so each group's ``sizes`` fit one pass of ``max_tokens`` (every
+    size must fit on its own)."""
+    chunks: list[list[int]] = []
+    total = max_tokens
+    for i, n in enumerate(sizes):
+        if total + n > max_tokens:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += n
     return chunks

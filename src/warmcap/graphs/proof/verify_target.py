@@ -1,9 +1,14 @@
 """Invariant I4 for target graphs: the real batch of a check and its three passes.
 
-Each row's context is written by eager prefills over its earlier positions; the checked step then
-runs unpadded (the reference, auxiliary hidden states included), replayed, and padded eagerly. What
-the passes are held to lives in :mod:`warmcap.graphs.proof.verify`; the batch's vocabulary in
-:mod:`warmcap.graphs.proof.verify_batch`.
+The reference is a full recompute: each row's whole sequence (context and the checked step's
+tokens) runs in one unpadded eager prefill, which writes the contexts the replay and the padded
+pass read and gives the real rows' outputs (auxiliary hidden states included) and cache entries
+at the step's positions — the reference and the context writes in one forward, where a separate
+context prefill and an eager step cost two. The checked step then runs replayed and padded
+eagerly. Subjects with Mamba state (whose state per block is not a function of the tokens alone:
+odd rows start from zero) and rows too long for one pass keep the two-pass form: contexts by eager
+prefills, then the step unpadded. What the passes are held to lives in
+:mod:`warmcap.graphs.proof.verify`; the batch's vocabulary in :mod:`warmcap.graphs.proof.verify_batch`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from warmcap.graphs.proof.verify_batch import VERIFY_REQ_PREFIX, Passes, context_chunks
+from warmcap.core.kv_spec import MambaSpec
+from warmcap.graphs.proof.verify_batch import VERIFY_REQ_PREFIX, Passes, context_chunks, row_chunks
 from warmcap.runner_v2.input_batch import StepInputs
 
 if TYPE_CHECKING:
@@ -77,7 +83,10 @@ def target_passes(
     spec = graph.spec
     lens, contexts = layout.query_lens, layout.contexts
     tokens = [rng.integers(0, vocab, size=c + n) for c, n in zip(contexts, lens, strict=True)]
-    for rows in context_chunks(contexts, buffers.max_num_tokens):
+    sizes = [c + n for c, n in zip(contexts, lens, strict=True)]
+    stateful = any(isinstance(g.spec, MambaSpec) for g in subject.groups())
+    recompute = not stateful and max(sizes) <= buffers.max_num_tokens
+    for rows in [] if recompute else context_chunks(contexts, buffers.max_num_tokens):
         # Contexts of these rows, written by one eager prefill (a real model costs a forward each).
         sub = {g: t[rows] for g, t in tables.items()}
         prefill = target_step(
@@ -99,6 +108,8 @@ def target_passes(
     last = torch.as_tensor(step.query_start_loc[1:] - 1, dtype=torch.int64, device=runner.device)
 
     def reference() -> list[torch.Tensor]:
+        if recompute:
+            return _recomputed(subject, tokens, sizes, lens, tables, num_blocks)
         hidden = runner.forward_batch(t, metas)
         return [hidden[:t], *(a[:t] for a in runner.last_aux_hidden_states)]
 
@@ -116,3 +127,34 @@ def target_passes(
         return runner.model.compute_logits(hidden[last]).argmax(-1)
 
     return Passes(step.num_reqs, metas, reference, replay, padded_eager, greedy)
+
+
+def _recomputed(
+    subject: TargetSubject,
+    tokens: list[np.ndarray],
+    sizes: list[int],
+    lens: list[int],
+    tables: dict[str, torch.Tensor],
+    num_blocks: int,
+) -> list[torch.Tensor]:
+    """Outputs at the last ``lens[i]`` positions of each row, row after row, from eager prefills of
+    the rows' whole sequences (``sizes[i]`` tokens from position 0), as few passes as fit."""
+    runner, buffers = subject.runner, subject.buffers
+    pieces: list[list[torch.Tensor]] = []
+    for rows in row_chunks(sizes, buffers.max_num_tokens):
+        sub = {g: t[rows] for g, t in tables.items()}
+        full = target_step(
+            [tokens[i] for i in rows],
+            [0] * len(rows),
+            [sizes[i] for i in rows],
+            sub,
+            num_blocks,
+            decode=False,
+        )
+        buffers.copy_from(full)
+        hidden = runner.forward_batch(full.num_tokens, buffers.attn_metadata(num_columns=num_blocks))
+        ends = full.query_start_loc[1:]
+        at = np.concatenate([np.arange(e - lens[i], e) for e, i in zip(ends, rows, strict=True)])
+        index = torch.as_tensor(at, dtype=torch.int64, device=runner.device)
+        pieces.append([o[index] for o in (hidden, *runner.last_aux_hidden_states)])
+    return [torch.cat(parts) for parts in zip(*pieces, strict=True)]
