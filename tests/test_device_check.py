@@ -73,7 +73,7 @@ def test_gpu_checks_pass_on_cpu_with_static_graphs(tmp_path, monkeypatch) -> Non
 
 
 def test_a_failing_check_fails_alone_and_names_its_error(monkeypatch) -> None:
-    monkeypatch.setattr("warmcap.device_check.CHECKS", dict(CHECKS))
+    monkeypatch.setattr("warmcap.device_check.registry.CHECKS", dict(CHECKS))
 
     @check("always_broken")
     def always_broken(ctx: CheckContext) -> dict:
