@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import warmcap.device_check_kernels  # noqa: F401  (registers the kernel checks, as gpu_check.py does)
 from warmcap.device_check import CHECKS, CheckContext, EngineCase, check, out_path, run_checks, summary_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +73,7 @@ def test_gpu_checks_pass_on_cpu_with_static_graphs(tmp_path, monkeypatch) -> Non
 
 
 def test_a_failing_check_fails_alone_and_names_its_error(monkeypatch) -> None:
-    monkeypatch.setattr("warmcap.device_check.CHECKS", dict(CHECKS))
+    monkeypatch.setattr("warmcap.device_check.registry.CHECKS", dict(CHECKS))
 
     @check("always_broken")
     def always_broken(ctx: CheckContext) -> dict:

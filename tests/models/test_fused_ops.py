@@ -291,7 +291,7 @@ def test_a_model_on_the_fused_ops_generates_the_reference_tokens_and_logs_every_
 @pytest.mark.slow
 def test_gpu_checks_fused_ops_body_runs_on_cpu(monkeypatch):
     # gpu_check's fused_ops check, on CPU under the interpreter, so it cannot rot unseen.
-    from warmcap.device_check_kernels import fused_op_comparison
+    from warmcap.device_check.fused import fused_op_comparison
 
     for env in ("WARMCAP_CPU_LAYER_OPS", "WARMCAP_CPU_GEMM", "WARMCAP_CPU_ATTENTION"):
         monkeypatch.setenv(env, "torch")
