@@ -13,8 +13,8 @@ from warmcap.cpu_kernels.gemm import Gemm
 from warmcap.cpu_kernels.layer_ops import LayerOps
 from warmcap.cpu_kernels.paged_attention import PagedAttentionKernel
 from warmcap.engine import LLMEngine
-from warmcap.graphs.capture import GraphCapturer
-from warmcap.graphs.graph_safety import GraphSafety, check_graph_safe
+from warmcap.graphs.capture.capturer import GraphCapturer
+from warmcap.graphs.proof.safety import GraphSafety, check_graph_safe
 
 
 def test_the_safety_check_runs_through_the_kernels_fake_implementations(monkeypatch) -> None:
