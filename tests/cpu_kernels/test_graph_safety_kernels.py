@@ -1,4 +1,4 @@
-"""The fake-tensor CUDA-graph safety check (``graphs/graph_safety.py``) on a CPU engine whose
+"""The fake-tensor CUDA-graph safety check (``graphs/proof/safety.py``) on a CPU engine whose
 attention, layer ops and linears run the compiled kernels: the check goes through the kernels'
 operators (their fake implementations), never their C code, and finds the graphs safe."""
 

@@ -178,7 +178,7 @@ def test_steps_past_the_query_bound_keep_sdpa(kernel_calls: list[int]):
 
 
 def graph_shaped(meta, *, columns: int):
-    """``meta`` as a graph's static buffers give it (``graphs/static_inputs.py``): the block table
+    """``meta`` as a graph's static buffers give it (``graphs/capture/static_inputs.py``): the block table
     widened to ``columns`` (zero: the null block), ``max_seq_len`` the whole width, ``graph_bounds``."""
     table = torch.zeros(meta.block_table.shape[0], columns, dtype=torch.int32)
     table[:, : meta.block_table.shape[1]] = meta.block_table

@@ -224,7 +224,7 @@ def test_the_capability_check_gives_no_ops_without_cuda(monkeypatch):
 
 
 def test_custom_ops_have_fake_implementations(ops):
-    # A fake-tensor run (graphs/graph_safety.py, torch.compile) sees each op with its output shapes.
+    # A fake-tensor run (graphs/proof/safety.py, torch.compile) sees each op with its output shapes.
     with FakeTensorMode():
         x, w = torch.empty(3, 8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
         assert ops.rms_norm(x, w, 1e-5).shape == (3, 8)

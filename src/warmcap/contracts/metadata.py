@@ -34,7 +34,7 @@ class AttentionMetadata:
       block-table width, ``max_model_len``), not this step's: one recorded graph serves every batch
       dispatched to it. A backend must then take lengths from the tensors (read the pages in place
       below each row's ``seq_len``) rather than size its work by the host maxima, or every step pays
-      for ``max_model_len`` (``graphs/static_inputs.py`` sets it).
+      for ``max_model_len`` (``graphs/capture/static_inputs.py`` sets it).
     """
 
     num_tokens: int

@@ -9,7 +9,7 @@ returns None / False for tensors it refuses). Tests run the same kernels on CPU 
 ``TRITON_INTERPRET=1`` by building ``FusedOps(torch.device("cpu"))`` themselves.
 
 Each op is a ``torch.library`` custom op (namespace ``warmcap_fused``) with a fake
-implementation: a CUDA graph records its one launch, a fake-tensor check (``graphs/graph_safety.py``)
+implementation: a CUDA graph records its one launch, a fake-tensor check (``graphs/proof/safety.py``)
 or ``torch.compile`` sees one opaque op, and ``op_count.py`` counts it once.
 
 Why Triton kernels and not ``torch.compile`` (inductor) inside the captured graphs: inductor would

@@ -25,7 +25,7 @@ def step_shape(step: dict[str, Any]) -> BatchShape:
 def default_graphs(
     *, max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int, indexed: bool
 ) -> list[dict[str, Any]]:
-    """The target graphs the default size policy captures (``graphs/planning.py``): uniform-decode
+    """The target graphs the default size policy captures (``graphs/capture/planning.py``): uniform-decode
     graphs for 1..max_num_seqs requests, mixed ones on the default ladder."""
     k = num_speculative_tokens
     q = 1 + k
