@@ -18,8 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from paged_metadata import paged_metadata
-from warmcap.contracts import PAD_SLOT_ID
+from paged_metadata import poisoned_step as make_step
 from warmcap.cpu_kernels import build, paged_attention
 from warmcap.cpu_kernels.paged_attention import (
     ENV,
@@ -42,63 +41,6 @@ def backend(mode: str) -> TorchPagedAttention:
 
 TORCH = backend("torch")
 KERNEL = backend("kernel")
-
-
-def make_step(
-    seed: int,
-    rows: list[tuple[int, int]],
-    *,
-    pad_rows: int,
-    pad_tokens: int,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    block_size: int,
-    window: int | None,
-    share: bool,
-):
-    """rows: (computed, scheduled). The cache starts as NaN everywhere (``serve/poison.py``); only
-    positions some query can see hold finite K/V, so reading anything else shows in the output.
-    Pages are shuffled; with ``share`` every row starts with row 0's first full page when both
-    computed past it (a prefix-cache hit). Pages wholly before every query's window are the null
-    block 0, as the engine hands them back."""
-    gen = torch.Generator().manual_seed(seed)
-    hq = num_kv_heads * group
-    cols = max(-(-(c + s) // block_size) for c, s in rows)
-    num_blocks = len(rows) * cols + 2
-    cache = torch.full((2, num_blocks + 1, block_size, num_kv_heads, head_dim), float("nan"))
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(len(rows) + pad_rows, cols, dtype=torch.int32)
-    flat = cache.view(2, -1, num_kv_heads, head_dim)
-    slots, qsl, seq_lens = [], [0], []
-    for r, (computed, scheduled) in enumerate(rows):
-        seq = computed + scheduled
-        pages = [free.pop() for _ in range(-(-seq // block_size))]
-        if share and r > 0 and computed >= block_size and rows[0][0] >= block_size:
-            pages[0] = int(table[0, 0])
-        first_visible = 0 if window is None else max(0, computed - window + 1)
-        for column in range(first_visible // block_size):
-            pages[column] = 0
-        table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        pos = torch.arange(seq)
-        where = torch.tensor(pages)[pos // block_size] * block_size + pos % block_size
-        visible = where[first_visible:computed]
-        flat[:, visible] = torch.randn(2, len(visible), num_kv_heads, head_dim, generator=gen)
-        slots.append(where[computed:])
-        qsl.append(qsl[-1] + scheduled)
-        seq_lens.append(seq)
-    for p in range(pad_rows):
-        qsl.append(qsl[-1] + (pad_tokens if p == pad_rows - 1 else 0))
-        seq_lens.append(0)
-    extra = qsl[-1] - qsl[len(rows)]
-    slots.append(torch.full((extra,), PAD_SLOT_ID))
-    meta = paged_metadata(qsl, seq_lens, table, torch.cat(slots).long(), block_size)
-    t = qsl[-1]
-    # q is a view of a fused projection (head stride != D, token stride != Hq * D), as models pass it.
-    qkv = torch.randn(t, hq + 2 * num_kv_heads, head_dim, generator=gen)
-    qkv[qsl[len(rows)] :] *= 100  # padding must not leak into real rows
-    q, k, v = qkv[:, :hq], qkv[:, hq : hq + num_kv_heads], qkv[:, hq + num_kv_heads :]
-    return q, k, v, cache, meta
 
 
 #: The kernel serves any span; the property checks it past the backend's bound too.
@@ -355,7 +297,7 @@ def test_the_operator_called_directly_refuses_metadata_the_c_code_would_misread(
 
 
 def small_step(seed: int, rows: list[tuple[int, int]], **overrides: object):
-    """:func:`make_step` with SmolLM2's head shape per KV head (3 query heads of 64), 2 KV heads,
+    """:func:`make_step` (``tests/paged_metadata.poisoned_step``) with SmolLM2's head shape per KV head (3 query heads of 64), 2 KV heads,
     16-token pages, no padding, window or shared page unless ``overrides`` say otherwise."""
     options: dict = dict(
         pad_rows=0,

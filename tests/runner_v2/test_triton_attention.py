@@ -9,7 +9,6 @@ tokens, and graph-shaped metadata (the table as wide as the model allows, ``max_
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,9 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_metadata import paged_metadata
+from paged_metadata import poisoned_step
 from warmcap.config import ATTENTION_BACKENDS
-from warmcap.contracts import PAD_SLOT_ID
 from warmcap.errors import ConfigError
 from warmcap.runner_v2.attention import selector
 from warmcap.runner_v2.attention.selector import select_backend
@@ -30,69 +28,6 @@ from warmcap.runner_v2.attention.triton_paged import TritonPagedAttention, launc
 
 #: gather + SDPA on every step: the reference
 REFERENCE = TorchPagedAttention(batch_invariant=True)
-
-
-def paged_step(
-    seed: int,
-    rows: list[tuple[int, int]],
-    *,
-    pad_rows: int,
-    pad_tokens: int,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    block_size: int,
-    window: int | None,
-    share: bool,
-    extra_columns: int = 0,
-    extra_query_len: int = 0,
-):
-    """rows: (computed, scheduled). NaN everywhere but the positions some query can see and the
-    slots this step writes; pages shuffled; with ``share`` rows reuse row 0's first page (a prefix
-    hit); columns wholly before every query's window are the null block 0. ``extra_columns`` and
-    ``extra_query_len`` widen the metadata as a graph's static buffers do."""
-    gen = torch.Generator().manual_seed(seed)
-    hq = num_kv_heads * group
-    cols = max(-(-(c + s) // block_size) for c, s in rows)
-    num_blocks = len(rows) * cols + 2
-    cache = torch.full((2, num_blocks + 1, block_size, num_kv_heads, head_dim), float("nan"))
-    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(len(rows) + pad_rows, cols + extra_columns, dtype=torch.int32)
-    flat = cache.view(2, -1, num_kv_heads, head_dim)
-    slots, qsl, seq_lens = [], [0], []
-    for r, (computed, scheduled) in enumerate(rows):
-        seq = computed + scheduled
-        pages = [free.pop() for _ in range(-(-seq // block_size))]
-        if share and r > 0 and computed >= block_size and rows[0][0] >= block_size:
-            pages[0] = int(table[0, 0])
-        first_visible = 0 if window is None else max(0, computed - window + 1)
-        for column in range(first_visible // block_size):
-            pages[column] = 0
-        table[r, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        pos = torch.arange(seq)
-        where = torch.tensor(pages)[pos // block_size] * block_size + pos % block_size
-        visible = where[first_visible:computed]
-        flat[:, visible] = torch.randn(2, len(visible), num_kv_heads, head_dim, generator=gen)
-        slots.append(where[computed:])
-        qsl.append(qsl[-1] + scheduled)
-        seq_lens.append(seq)
-    for p in range(pad_rows):
-        qsl.append(qsl[-1] + (pad_tokens if p == pad_rows - 1 else 0))
-        seq_lens.append(0)
-    slots.append(torch.full((qsl[-1] - qsl[len(rows)],), PAD_SLOT_ID))
-    meta = paged_metadata(qsl, seq_lens, table, torch.cat(slots).long(), block_size)
-    if extra_columns or extra_query_len:
-        meta = dataclasses.replace(
-            meta,
-            max_seq_len=table.shape[1] * block_size,
-            max_query_len=meta.max_query_len + extra_query_len,
-            graph_bounds=True,
-        )
-    t = qsl[-1]
-    qkv = torch.randn(t, hq + 2 * num_kv_heads, head_dim, generator=gen)
-    qkv[qsl[len(rows)] :] *= 100  # padding must not leak into real rows
-    q, k, v = qkv[:, :hq], qkv[:, hq : hq + num_kv_heads], qkv[:, hq + num_kv_heads :]
-    return q, k, v, cache, meta
 
 
 # decode (1), verify (1 + k) and short prefill chunks; small sizes keep the interpreter fast
@@ -130,7 +65,7 @@ def test_triton_equals_the_torch_reference_and_never_reads_unseen_kv(
     bf16,
     seed,
 ):
-    q, k, v, cache, meta = paged_step(
+    q, k, v, cache, meta = poisoned_step(
         seed,
         rows,
         pad_rows=pad_rows,
@@ -168,7 +103,7 @@ def test_triton_equals_the_torch_reference_and_never_reads_unseen_kv(
 
 def test_key_splits_give_the_same_result_as_one_pass():
     """Flash-decoding: one long row's keys split over programs and merged by log-sum-exp."""
-    q, k, v, cache, meta = paged_step(
+    q, k, v, cache, meta = poisoned_step(
         3, [(150, 1), (70, 5)], pad_rows=0, pad_tokens=0, num_kv_heads=2, group=3,
         head_dim=16, block_size=16, window=None, share=False,
     )  # fmt: skip
