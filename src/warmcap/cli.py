@@ -338,12 +338,9 @@ def _prompt_ids(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
         raise WarmcapError("the model folder has no tokenizer: `warmup generate` needs one to read --prompt")
     if not chat:
         return list(tokenizer.encode(prompt))
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    from warmcap.prompts import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def _spec_stats(llm) -> str | None:

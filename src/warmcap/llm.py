@@ -10,7 +10,7 @@ from warmcap.engine import DEFAULT_STARTUP_HOOKS, LLMEngine
 from warmcap.engine_args import ENGINE_KWARGS, auto_dtype, build_config
 from warmcap.errors import ConfigError
 from warmcap.outputs import RequestOutput
-from warmcap.prompts import PromptType, split_prompt
+from warmcap.prompts import PromptType, chat_prompt_ids, split_prompt
 from warmcap.sampling_params import SamplingParams
 from warmcap.warmup.hook import warmup_hook
 
@@ -100,11 +100,7 @@ class LLM:
             raise ConfigError(
                 f"{self.engine.model_path} has no chat template: call generate() with plain prompts"
             )
-        # The template writes BOS itself when the model wants one; tokenizing it adds no second one.
-        ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(tok, messages)
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -75,3 +75,13 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     if bos is not None and bos_text and text.startswith(bos_text) and ids[:2] == [bos, bos]:
         ids = ids[1:]
     return ids
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The token ids of ``messages`` through the tokenizer's chat template, ready to generate from.
+
+    The template writes BOS itself when the model wants one; tokenizing it adds no second one."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
