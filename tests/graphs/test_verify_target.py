@@ -16,7 +16,7 @@ from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from warmcap.engine import LLMEngine
 from warmcap.graphs.capture.capturer import CapturedGraph, GraphCapturer
 from warmcap.graphs.proof import verify
-from warmcap.graphs.proof.verify import GraphCheck, verify_graphs
+from warmcap.graphs.proof.verify import GraphCheck, Tolerance, failed_bounds, verify_graphs
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 from warmcap.runner_v2.mamba_state import MambaMetadata
 
@@ -89,6 +89,8 @@ def _assert_caught_by_what_was_written(checks: list[GraphCheck]) -> None:
         # The outputs still replay exactly: only comparing what was written can catch it.
         assert check.max_abs_diff == 0.0 and check.greedy_match, check
         assert not check.verified and check.real_rows_max_abs_diff > 0.5, check
+        # An unverified graph always says why, with the number that broke its bound.
+        assert check.reason.startswith("real rows differ from the unpadded batch by "), check
 
 
 @pytest.mark.parametrize(("engine", "kind"), [("hybrid", "mamba"), ("llama", "full")])
@@ -141,6 +143,8 @@ def test_a_replay_writing_state_to_the_wrong_block_does_not_verify(
     assert checks
     for check in checks:
         assert not check.verified and check.real_rows_max_abs_diff > 0.5, check
+        # An unverified graph always says why, with the number that broke its bound.
+        assert check.reason.startswith("real rows differ from the unpadded batch by "), check
 
 
 def test_each_run_reads_the_state_the_reference_read(
@@ -202,3 +206,12 @@ def test_the_reference_recomputes_each_row_so_a_misread_context_is_caught(monkey
     checks = verify_graphs(capturer, graphs, rig.manager)
     assert checks and not any(c.verified for c in checks)
     assert all(c.real_rows_max_abs_diff > 1e-2 for c in checks)
+    assert all("real rows differ from the unpadded batch" in c.reason for c in checks)
+
+
+def test_every_broken_bound_is_named_in_the_reason() -> None:
+    tol = Tolerance(0.0, 1e-5, relative=False)
+    assert failed_bounds(0.0, 1e-6, 1e-5, True, tol) == []
+    reasons = failed_bounds(2e-3, float("nan"), 1e-5, False, tol)
+    assert [r.split(" ")[0] for r in reasons] == ["replay", "real", "greedy"]
+    assert "0.002" in reasons[0] and "nan" in reasons[1]

@@ -26,7 +26,7 @@ from warmcap.runner_v2.attention.selector import select_backend
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention, write_kv
 from warmcap.runner_v2.attention.triton_paged import TritonPagedAttention, launch_shape
 
-#: gather + SDPA on every step: the reference
+#: the batch-invariant torch path: each query over exactly the keys it sees, no BLAS (the reference)
 REFERENCE = TorchPagedAttention(batch_invariant=True)
 
 

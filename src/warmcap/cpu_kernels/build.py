@@ -2,7 +2,7 @@
 
 The shared library's name is keyed by a sha256 of everything that changes the machine code: the
 source and the package's headers, the flags, the compiler's version and the CPU's feature flags
-(``-march=native``). Processes starting together (tensor-parallel ranks) take a file lock beside the
+(``-march=native``, or the target ``WARMCAP_CPU_ISA`` forces). Processes starting together (tensor-parallel ranks) take a file lock beside the
 library (``<name>.lock``, filelock) before building: one builds, the others wait and load what it
 built. A build goes to a temporary file that is renamed into place, so no process ever loads a
 half-written library.
@@ -31,7 +31,42 @@ from warmcap.errors import WarmcapError
 from warmcap.paths import cache_dir
 
 #: ``-ffast-math`` stays out on purpose: the kernels rely on IEEE NaN/inf and an accurate ``expf``.
-COMPILE_FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+#: The target (``-march``) comes from :func:`isa_flags`.
+COMPILE_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp", "-shared", "-fPIC")
+
+#: ``WARMCAP_CPU_ISA``: which instruction set the kernels are built for. ``native`` (default): this
+#: CPU's. The others force one path, so a machine tests the code another machine would run: ``avx2``
+#: (x86-64-v3: AVX2 + FMA, the narrow GEMM tiling), ``avx512`` (x86-64-v4 where the CPU has AVX-512;
+#: elsewhere this CPU's instructions with the AVX-512 tiling forced, ``gemm.c``'s WARMCAP_WIDE_TILES),
+#: ``baseline`` (x86-64-v2: SSE4.2, no FMA).
+ISA_ENV = "WARMCAP_CPU_ISA"
+ISAS = ("native", "avx2", "avx512", "baseline")
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU reports ``flag`` in /proc/cpuinfo (``avx2``, ``avx512f``, ...)."""
+    return flag in _cpu_flags().split()
+
+
+def selected_isa() -> str:
+    """The ``WARMCAP_CPU_ISA`` in force (``native`` when unset); an unknown value is refused."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISAS:
+        raise KernelBuildError(f"{ISA_ENV}={isa!r} is not one of {', '.join(ISAS)}: unset it or pick one")
+    return isa
+
+
+def isa_flags(isa: str) -> tuple[str, ...]:
+    """The target flags of ``isa`` (one of :data:`ISAS`) on this CPU."""
+    if isa == "avx2":
+        return ("-march=x86-64-v3",)
+    if isa == "avx512":
+        return ("-march=x86-64-v4",) if cpu_has("avx512f") else ("-march=native", "-DWARMCAP_WIDE_TILES")
+    if isa == "baseline":
+        return ("-march=x86-64-v2",)
+    return ("-march=native",)
+
+
 #: flags of one source on top of :data:`COMPILE_FLAGS`
 EXTRA_FLAGS: dict[str, tuple[str, ...]] = {
     # RoPE must round as torch's separate mul and add do: no fused multiply-add.
@@ -42,8 +77,8 @@ EXTRA_FLAGS: dict[str, tuple[str, ...]] = {
 
 
 def flags_of(source: str) -> tuple[str, ...]:
-    """Every flag ``source`` is compiled with."""
-    return COMPILE_FLAGS + EXTRA_FLAGS.get(source, ())
+    """Every flag ``source`` is compiled with (the target from ``WARMCAP_CPU_ISA``)."""
+    return COMPILE_FLAGS + isa_flags(selected_isa()) + EXTRA_FLAGS.get(source, ())
 
 
 _STDERR_TAIL = 2000

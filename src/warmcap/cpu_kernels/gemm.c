@@ -39,7 +39,19 @@
  * registers is lowered through memory, and an array of them stays on the stack: every k then loads
  * and stores each accumulator.
  */
-#if defined(__AVX512F__)
+/*
+ * WIDE: the AVX-512 tiling (16-float accumulators, the wide tile table). Chosen by the target, or
+ * forced either way (build.py's WARMCAP_CPU_ISA): WARMCAP_WIDE_TILES builds the AVX-512 tiling for a
+ * CPU without AVX-512 (GCC lowers each 16-float vector to two 8-float ones, and each output is still
+ * the same one multiply-add chain), so any x86 machine can test the logic of both.
+ */
+#if defined(WARMCAP_WIDE_TILES) || (defined(__AVX512F__) && !defined(WARMCAP_NARROW_TILES))
+#define WIDE 1
+#else
+#define WIDE 0
+#endif
+
+#if WIDE
 #define LANES 16
 #else
 #define LANES 8
@@ -51,7 +63,7 @@
  * still be in L2 (2): measured on the AVX2 build, L2 prefetch ran the products of 12 SmolLM2 layers
  * 3-5x faster than the non-temporal one with the same tiles (BENCHMARKS.md).
  */
-#if defined(__AVX512F__)
+#if WIDE
 #define WEIGHT_LOCALITY 0
 #else
 #define WEIGHT_LOCALITY 2
@@ -142,7 +154,7 @@ ALWAYS_INLINE void tile(const float *restrict xt, const float *restrict w, int64
  * blocks (its weights are read once each, straight into the multiply-add, so they need no
  * register). A row tile of more rows is split into sub-tiles of equal height (16 = 5 + 5 + 6).
  */
-#if defined(__AVX512F__)
+#if WIDE
 #define MAX_TILE_ROWS 16
 static int max_blocks(int64_t rows)
 {
@@ -170,7 +182,7 @@ static void tile_rc(int64_t rows, int c_blocks, const float *xt, const float *w,
                     float *out, int64_t ldo, int64_t cols, const float *bias)
 {
     switch (rows * 16 + c_blocks) {
-#if defined(__AVX512F__)
+#if WIDE
         TILE_CASES_8(1)
         TILE_CASES_8(2)
         TILE_CASES_4(3)
@@ -301,6 +313,13 @@ static void gemm(const float *x, int64_t ldx, const float *wp, const float *bias
         const int64_t b0 = blocks * me / team, b1 = blocks * (me + 1) / team;
         column_range(scratch, wp, bias, up, up_bias, out, ldo, m_dim, k_dim, n_dim, b0, b1, chunk);
     }
+}
+
+/* The accumulator width this library was built with: 16 for the AVX-512 tiling, 8 otherwise (the
+ * forced-ISA tests check that WARMCAP_CPU_ISA reached the build). */
+int warmcap_gemm_lanes(void)
+{
+    return LANES;
 }
 
 /*

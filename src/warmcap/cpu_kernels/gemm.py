@@ -111,6 +111,14 @@ def _entry_points() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignor
     return _bind(load_library(SOURCE))
 
 
+def built_lanes() -> int:
+    """The accumulator width of the library built for this process's ``WARMCAP_CPU_ISA``: 16 for the
+    AVX-512 tiling, 8 for the narrow one (builds it when no caller has yet)."""
+    lib = load_library(SOURCE)
+    lib.warmcap_gemm_lanes.restype = ctypes.c_int
+    return int(lib.warmcap_gemm_lanes())
+
+
 #: the scratch each thread transposes inputs into, kept between calls (a fresh multi-megabyte
 #: buffer per call costs page faults)
 _scratch = threading.local()

@@ -26,6 +26,11 @@ from warmcap.cpu_kernels.policy import kernel_can_take
 
 _MAX_CACHED_PLANS = 8
 
+#: tokens per fixed-shape tile of the batch-invariant path (fewer for models with many heads)
+INVARIANT_TOKEN_TILE = 16
+#: keys per fixed-shape chunk of the batch-invariant path, at absolute positions ``c * 64 ..``
+INVARIANT_KEY_TILE = 64
+
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k/v [T, Hkv, D] through ``slot_mapping`` [T]; PAD (-1) goes to the sink block.
@@ -159,6 +164,9 @@ class StepPlan:
     #: the step's slot mapping with PAD sent to the sink, by the sink's first slot
     sinked: dict[int, torch.Tensor] = field(default_factory=dict)
     kernel: KernelInputs | None = None
+    #: [T] each token's row and position, -1 for padded tokens (the batch-invariant path's input)
+    token_row: torch.Tensor | None = None
+    token_pos: torch.Tensor | None = None
 
     def kernel_inputs(self) -> KernelInputs:
         """The metadata as the CPU kernel reads it, converted once per step."""
@@ -240,6 +248,7 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
     query_index = (qsl[:-1, None] + i[None, :]).clamp(max=max(num_tokens - 1, 0)).reshape(-1)
     row, index, valid = token_rows(meta, num_tokens)
     out_index = (row * q + index.clamp(min=0, max=q - 1)).reshape(-1)
+    token_pos = torch.where(valid, seq[row] - qlen[row] + index, -1) if r else row.new_full(row.shape, -1)
     return StepPlan(
         meta=meta,
         stamp=MetaStamp.of(meta),
@@ -251,7 +260,75 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
         key_pos=torch.arange(cols * bs, device=device)[None, None, :],
         seq_len=seq[:, None, None],
         first_query_pos=(seq - qlen)[:, None, None],
+        token_row=row,
+        token_pos=token_pos,
     )
+
+
+def invariant_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, *, scale: float, window: int | None
+) -> torch.Tensor:
+    """Attention whose result for a token depends only on that token's query, position and keys,
+    never on the batch around it (``--batch-invariant``).
+
+    Gather + SDPA is not that: SDPA's CPU kernel multiplies a row's whole query span in one GEMM, and
+    a BLAS GEMM's rounding follows its shapes (measured on an AMD EPYC with MKL: one decode query and
+    the same query as the last of a three-token prefill differ by 1e-7 in layer 0, 5e-5 after
+    SmolLM2's 30 layers; a batched matmul's rounding even follows an item's index in the batch).
+    So no BLAS call here: dot products are exact elementwise products summed by torch's reductions,
+    whose order for one output depends only on the reduced length, and every tensor has one shape per
+    model: tokens go in tiles (each token its own query over its own gathered keys), keys in chunks
+    of :data:`INVARIANT_KEY_TILE` at absolute positions, merged by an online softmax in position
+    order. A chunk a token cannot see leaves its state bit for bit as it was (``exp(-inf) = 0``,
+    ``alpha = 1``), so how many chunks the batch's longest row needs does not matter; the value
+    rows carry a trailing 1, so one reduction gives the weighted values and the softmax sum. A tile
+    holds at most 32768 scores (torch's grain): ``exp`` then runs on one thread over whole vectors,
+    never its scalar tail, whose rounding differs.
+    """
+    t, hq, d = q.shape
+    meta = plan.meta
+    hkv, bs = kv_cache.shape[3], meta.block_size
+    group = hq // hkv
+    chunk = INVARIANT_KEY_TILE
+    tile = max(1, min(INVARIANT_TOKEN_TILE, 32768 // (hq * chunk)))
+    padded = -(-t // tile) * tile
+    queries = q.new_zeros(padded, hkv, group, d, dtype=kv_cache.dtype)
+    queries[:t] = q.view(t, hkv, group, d)
+    pos = plan.token_pos.new_full((padded,), -1)
+    pos[:t] = plan.token_pos
+    rows = plan.token_row.new_zeros(padded)
+    rows[:t] = plan.token_row
+    table = meta.block_table.long()
+    keys_all, values_all = kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d)
+    chunks = -(-max(meta.max_seq_len, 1) // chunk)
+    offsets = torch.arange(chunk, device=q.device)
+    out = torch.empty(padded, hkv, group, d, dtype=kv_cache.dtype, device=q.device)
+    for start in range(0, padded, tile):
+        qt, pt, rt = queries[start : start + tile], pos[start : start + tile], rows[start : start + tile]
+        m = qt.new_full((tile, hkv, group, 1), float("-inf"))
+        acc = qt.new_zeros(tile, hkv, group, d + 1)
+        for c in range(chunks):
+            kpos = c * chunk + offsets
+            visible = kpos[None, :] <= pt[:, None]
+            if window is not None:
+                visible &= kpos[None, :] > pt[:, None] - window
+            # An unseen position reads the token's own slot (written this step, so finite).
+            gpos = torch.where(visible, kpos[None, :], pt.clamp(min=0)[:, None])
+            cols = (gpos // bs).clamp(max=table.shape[1] - 1)
+            slots = (table[rt[:, None], cols] * bs + gpos % bs).reshape(-1)
+            k = keys_all.index_select(0, slots).view(tile, chunk, hkv, d).transpose(1, 2)
+            v = values_all.index_select(0, slots).view(tile, chunk, hkv, d).transpose(1, 2)
+            v = torch.cat((v, v.new_ones(tile, hkv, chunk, 1)), dim=-1)
+            s = (qt[:, :, :, None, :] * k[:, :, None]).sum(dim=-1) * scale
+            s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            weights = torch.exp(s - base)
+            acc = acc * torch.exp(m - base) + (weights[..., None] * v[:, :, None]).sum(dim=-2)
+            m = m_new
+        total = acc[..., d:]
+        out[start : start + tile] = torch.where(total > 0, acc[..., :d] / total.clamp(min=1e-30), 0.0)
+    return out[:t].reshape(t, hq, d)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -273,12 +350,14 @@ class TorchPagedAttention(AttentionBackend):
 
     def __init__(self, device: torch.device | str | None = None, *, batch_invariant: bool = False) -> None:
         """``device``: a CPU device builds the kernel now (engine start-up) rather than on the
-        first CPU step. ``batch_invariant``: never use the kernel. Which path a step takes depends
-        on its longest query span, so a row's numbers would depend on the batch around it; gather +
-        SDPA gives every row the same numbers in any batch (``models/batch_invariant.py``)."""
+        first CPU step. ``batch_invariant``: never use the kernel (which path a step takes depends
+        on its longest query span, so a row's numbers would depend on the batch around it), nor SDPA
+        (whose GEMMs round by the query count): :func:`invariant_attention` on every step
+        (``models/batch_invariant.py``)."""
         self._plans: OrderedDict[int, StepPlan] = OrderedDict()
         self._kernel: PagedAttentionKernel | None = None
         self._kernel_loaded = batch_invariant
+        self._batch_invariant = batch_invariant
         if device is not None and torch.device(device).type == "cpu":
             self._cpu_kernel()
 
@@ -346,6 +425,9 @@ class TorchPagedAttention(AttentionBackend):
                 return out if out.dtype == q.dtype else out.to(q.dtype)
         if slots is not None:
             write_kv_slots(kv_cache, k, v, slots)
+        if self._batch_invariant:
+            out = invariant_attention(q, kv_cache, plan, scale=scale, window=sliding_window)
+            return out if out.dtype == q.dtype else out.to(q.dtype)
         hkv = kv_cache.shape[3]
         group = hq // hkv
         # [R, Hkv, K, D]: each row's keys laid end to end, read slot by slot (see ``key_slots``).
