@@ -394,6 +394,8 @@ class _Attempt:
             )
         for name, kind, reason in kinds:
             req = sim.new_request(f"warmup-{len(sim.running)}", self.prompt_len)
-            entries = [_Entry(req, self.prompt_len, 0, True)] + [_Entry(r, 1 + k, k, False) for r in batch]
+            # The scheduler's order: running requests first, then the prompt that joins them (the
+            # runner's rows follow it, so warmup captures and audits the layout serving emits).
+            entries = [_Entry(r, 1 + k, k, False) for r in batch] + [_Entry(req, self.prompt_len, 0, True)]
             sim.step(name, kind, reason, entries)
             sim.advance(entries)
