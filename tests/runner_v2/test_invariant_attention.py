@@ -17,7 +17,7 @@ from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 INVARIANT = TorchPagedAttention(batch_invariant=True)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     rows=st.lists(st.tuples(st.integers(0, 150), st.sampled_from([1, 2, 5, 17])), min_size=1, max_size=3),
     pad_rows=st.integers(0, 2),
@@ -47,7 +47,7 @@ def _single_row(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, quer
     return paged_metadata([0, query_len], [seq_len], table, slots, cache.shape[2])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     computed=st.integers(0, 140),
     scheduled=st.integers(2, 20),
