@@ -251,7 +251,8 @@ def identity_blocks(table: torch.Tensor) -> list[int]:
 def align_anchors(spec: MambaSpec, table: torch.Tensor) -> list[int]:
     """A target ``align`` group: each row's anchor, the first of the last ``1 + k`` columns it
     holds (``core/reservation.py`` ``align_state_columns``); the table only ever appends and its
-    newest column always holds a block, so the last non-null column ends the row (-1: none).
+    newest column always holds a block, so the last non-null column ends the row (-1: a padded
+    row, null blocks only).
 
     NOTE: read off the table rather than recomputed from this step's tokens: after drafts were
     rejected a step may schedule fewer tokens than an earlier one, and the anchor stays where the
@@ -260,9 +261,8 @@ def align_anchors(spec: MambaSpec, table: torch.Tensor) -> list[int]:
         return [-1] * table.shape[0]
     nonzero = (table.cpu() != 0).to(torch.int8)
     width = table.shape[1]
-    last = width - 1 - nonzero.flip(1).argmax(dim=1)
-    last = torch.where(nonzero.any(dim=1), last, torch.full_like(last, -1 - spec.num_speculative_blocks))
-    return (last - spec.num_speculative_blocks).tolist()
+    anchors = width - 1 - nonzero.flip(1).argmax(dim=1) - spec.num_speculative_blocks
+    return torch.where(nonzero.any(dim=1), anchors, torch.full_like(anchors, -1)).tolist()
 
 
 def row_spans(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
