@@ -200,3 +200,11 @@ def test_mamba_chunked_prefill_then_decode(mode, physical, column0_null):
         for (c, s, la, real), p, z in zip(steps, physical, column0_null, strict=True)
     ]
     drive(spec, 100, calls)
+
+
+def test_mamba_align_first_step_places_the_state_by_every_scheduled_token():
+    # bs 4, k 2, lookahead 2, a 7-token first step of which only 4 tokens are the request's own
+    # (the rest drafts): vLLM sizes cdiv(7, 4) + 2 = 4 columns and puts the running state in the
+    # block of the last scheduled token (column 1), so column 0 is null: 3 blocks.
+    spec = MambaSpec(4, state_shapes=((4, 8),), cache_mode="align", num_speculative_blocks=2)
+    drive(spec, 4, [Call(0, 7, 2, 4, physical=3, column0_null=True)])

@@ -15,6 +15,7 @@ from warmcap.runner_v2.mamba_draft_state import draft_state_plans
 from warmcap.runner_v2.mamba_state import (
     StatePlan,
     accepted_column,
+    align_anchors,
     anchor_column,
     build_mamba_metadata,
     plan_state,
@@ -250,3 +251,18 @@ def test_a_probe_continuing_a_probe_reads_the_state_the_first_one_left(
     assert step.read_column == context.writes[-1][1]
     assert context.writes[-1][0] == c - 1 and step.writes[-1][0] == s - 1
     assert probe_plan(sp, c + s, 1).read_column == step.writes[-1][1]
+
+
+def test_align_anchor_is_read_off_the_table_and_survives_a_shorter_step() -> None:
+    # bs 4, k 2: a target's align table ends in the running state's and the 2 draft states'
+    # columns, whatever this step schedules (after rejected drafts it may schedule fewer tokens
+    # than the step that grew the table); a padded row holds only null blocks.
+    sp = spec("align", k=2)
+    table = torch.tensor([[0, 5, 6, 7, 0, 0], [0, 0, 9, 0, 3, 4], [0, 0, 0, 0, 0, 0]])
+    assert align_anchors(sp, table) == [1, 3, -1]
+    plan = plan_state(
+        sp, num_computed_tokens=9, num_scheduled_tokens=2, num_spec_tokens=1, live_column=2, anchor=3
+    )
+    # the state after the committed token goes to the anchor, the draft's to the next column,
+    # although the block of token 10 is column 2
+    assert plan == StatePlan(2, ((0, 3), (1, 4)))

@@ -14,7 +14,7 @@ from warmcap.core.kv_spec import (
     MLASpec,
     SlidingWindowSpec,
 )
-from warmcap.core.reservation import reserved_blocks, skipped_blocks, stateless_columns
+from warmcap.core.reservation import align_state_columns, reserved_blocks, skipped_blocks, stateless_columns
 from warmcap.errors import CapacityError
 from warmcap.warmup.plan_view import plan_schema
 from warmcap.warmup.planner import plan_warmup
@@ -55,7 +55,14 @@ def assert_plan_follows_rule(plan, config) -> None:
                 # null (at most those between the live state and the committed tokens' last block).
                 committed = r.num_computed_tokens + r.num_scheduled_tokens - r.num_spec_tokens
                 stateless = stateless_columns(g.spec, r.num_computed_tokens, committed)
+                # A target's ``align`` group (the reference engine's layout): only the last 1 + k
+                # columns, where the step's states go, must hold blocks.
+                target_align = (
+                    isinstance(g.spec, MambaSpec) and g.spec.cache_mode == "align" and not g.is_drafter
+                )
                 for col, b in enumerate(ids):
+                    if target_align and col not in align_state_columns(g.spec, len(ids)) and b == 0:
+                        continue
                     if (col < released or col in stateless) and b == 0:
                         continue
                     assert b != 0, (step.name, r.req_id, g.name, "null block handed out")

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from warmcap.core.block_pool import BlockPool, KVBlock
-from warmcap.core.kv_spec import KVCacheGroup
-from warmcap.core.reservation import skipped_blocks, stateless_columns
+from warmcap.core.kv_spec import KVCacheGroup, MambaSpec
+from warmcap.core.reservation import AlignState, AlignStep, align_step, skipped_blocks, stateless_columns
 
 
 class GroupManager:
@@ -37,11 +37,17 @@ class GroupManager:
         return len(blocks) if blocks else 0
 
     def null_columns(
-        self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        num_tokens: int,
+        num_committed_tokens: int,
+        after_drafts: bool,
     ) -> tuple[range, ...]:
-        """Columns that get the null block instead of a fresh one when they are appended, for a
-        step from ``num_computed_tokens`` (all kinds of computed tokens) to
-        ``num_committed_tokens``; ``after_drafts``: the request may have verified drafts before."""
+        """Columns that get the null block instead of a fresh one when they are appended (and held
+        ones that go back), for a step from ``num_computed_tokens`` (all kinds of computed tokens)
+        to ``num_tokens`` (drafts included), ``num_committed_tokens`` of them the request's own;
+        ``after_drafts``: the request may have verified drafts before."""
         return ()
 
     def num_releasable(self, req_id: str, nulls: tuple[range, ...]) -> int:
@@ -106,7 +112,12 @@ class SkippingManager(GroupManager):
         self.num_released: dict[str, int] = {}
 
     def null_columns(
-        self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        num_tokens: int,
+        num_committed_tokens: int,
+        after_drafts: bool,
     ) -> tuple[range, ...]:
         return (range(skipped_blocks(self.spec, num_computed_tokens)),)
 
@@ -155,10 +166,20 @@ class SlidingWindowManager(SkippingManager):
 
 class MambaManager(SkippingManager):
     """Mamba state: blocks behind the live state go back (modes ``all``/``align``); in ``align`` a
-    step's columns that never hold a state stay null (``reservation.stateless_columns``)."""
+    step's columns that never hold a state stay null (``reservation.stateless_columns``).
+
+    A target model's ``align`` groups use :class:`AlignMambaManager` (the reference engine's
+    layout); this rule stays for a drafter's Mamba groups, whose passes place states by the
+    committed tokens (``runner_v2/mamba_draft_state.py``) and which the reference engine has no
+    counterpart for (its draft models have no Mamba layers)."""
 
     def null_columns(
-        self, num_computed_tokens: int, num_committed_tokens: int, after_drafts: bool
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        num_tokens: int,
+        num_committed_tokens: int,
+        after_drafts: bool,
     ) -> tuple[range, ...]:
         # Column 0 goes back too, as in the reference engine: the runner tells a row's request by
         # its newest block (runner_v2/mamba_state.py identity_blocks), which is always held.
@@ -168,6 +189,82 @@ class MambaManager(SkippingManager):
         live = 1 + self.spec.num_speculative_blocks if after_drafts else 1
         gap = stateless_columns(self.spec, num_computed_tokens, num_committed_tokens, num_live_columns=live)
         return skipped, gap
+
+
+class AlignMambaManager(GroupManager):
+    """A target model's Mamba group in cache mode ``align``: the reference engine's layout
+    (``reservation.align_step``). The running state and the draft states live in the last
+    ``1 + k`` columns; one earlier state column is kept until the computed tokens leave it behind;
+    every other column is null. Its block counts equal the reference engine's call by call."""
+
+    releases_blocks: ClassVar[bool] = True
+
+    def __init__(self, group: KVCacheGroup, pool: BlockPool) -> None:
+        super().__init__(group, pool)
+        self.states: dict[str, AlignState] = {}
+        # The plan of the call in progress, applied by ``take`` once the call can be served.
+        self._pending: dict[str, AlignStep] = {}
+
+    def null_columns(
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        num_tokens: int,
+        num_committed_tokens: int,
+        after_drafts: bool,
+    ) -> tuple[range, ...]:
+        assert isinstance(self.spec, MambaSpec)
+        state = self.states.get(req_id) or AlignState()
+        plan = align_step(
+            self.spec, state, self.num_held(req_id), num_computed_tokens, num_tokens, num_committed_tokens
+        )
+        self._pending[req_id] = plan
+        return tuple(range(c, c + 1) for c in plan.released) + plan.nulls
+
+    def _held_columns(self, req_id: str, nulls: tuple[range, ...]) -> list[int]:
+        blocks = self.req_blocks.get(req_id)
+        if not blocks:
+            return []
+        null = self.pool.null_block
+        return [c for r in nulls for c in r if c < len(blocks) and blocks[c] is not null]
+
+    def num_releasable(self, req_id: str, nulls: tuple[range, ...]) -> int:
+        blocks = self.req_blocks.get(req_id)
+        return sum(1 for c in self._held_columns(req_id, nulls) if blocks[c].ref_cnt == 1)
+
+    def release(self, req_id: str, nulls: tuple[range, ...]) -> None:
+        cols = self._held_columns(req_id, nulls)
+        if not cols:
+            return
+        blocks = self.req_blocks[req_id]
+        released = [blocks[c] for c in cols]
+        null = self.pool.null_block
+        for c in cols:
+            blocks[c] = null
+        self.pool.free_blocks(reversed(released))
+
+    def take(
+        self, req_id: str, hits: Sequence[KVBlock], stop: int, nulls: tuple[range, ...] = ()
+    ) -> list[int]:
+        ids = super().take(req_id, hits, stop, nulls)
+        plan = self._pending.pop(req_id, None)
+        if plan is not None:
+            self.states[req_id] = plan.state
+        return ids
+
+    def free(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+        self._pending.pop(req_id, None)
+        super().free(req_id)
+
+
+def manager_class(group: KVCacheGroup) -> type[GroupManager]:
+    """The strategy of ``group``: by its spec's kind, and a target model's Mamba ``align`` group
+    by the reference engine's layout (:class:`AlignMambaManager`)."""
+    spec = group.spec
+    if isinstance(spec, MambaSpec) and spec.cache_mode == "align" and not group.is_drafter:
+        return AlignMambaManager
+    return MANAGER_BY_KIND[spec.kind]
 
 
 MANAGER_BY_KIND: dict[str, type[GroupManager]] = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from warmcap.core.block_pool import BlockPool
-from warmcap.core.group_managers import MANAGER_BY_KIND, AttentionManager, GroupManager
+from warmcap.core.group_managers import MANAGER_BY_KIND, AttentionManager, GroupManager, manager_class
 from warmcap.core.hashing import extend_block_hashes
 from warmcap.core.reservation import block_of, blocks_per_request, reserved_blocks
 from warmcap.errors import ConfigError
@@ -100,7 +100,7 @@ class KVCacheManager:
             raise ConfigError(
                 f"no block strategy for KV spec kind(s) {unknown}: use {sorted(MANAGER_BY_KIND)}"
             )
-        managers = [MANAGER_BY_KIND[g.spec.kind] for g in self.groups]
+        managers = [manager_class(g) for g in self.groups]
         block_sizes = {g.spec.block_size for g in self.groups}
         # Prefix hits must hold in every group at once: only when all groups can share blocks
         # and one hash chain (one block size) describes them all.
@@ -335,7 +335,11 @@ class KVCacheManager:
             held = m.req_blocks.get(req_id)
             start = (len(held) if held else 0) + (len(hits[i]) if hits else 0)
             stop = counts[i]
-            nulls = m.null_columns(num_computed, committed, after_drafts) if m.releases_blocks else ()
+            nulls = (
+                m.null_columns(req_id, num_computed, num_tokens, committed, after_drafts)
+                if m.releases_blocks
+                else ()
+            )
             plans.append((stop, nulls))
             if stop > start:
                 need += stop - start

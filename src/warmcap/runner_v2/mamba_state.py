@@ -12,7 +12,11 @@ scheduled tokens, minus the ``d`` draft tokens of a verify step) the columns are
   to column 0 and the state after draft j to column j.
 - ``align`` / ``all``: the anchor is ``block_of(n - 1)``, the block of the last committed token;
   the state after it goes there and the state after draft j to ``anchor + j`` (vLLM gathers
-  ``1 + k`` consecutive columns from the last block). ``all`` also writes the state at every block
+  ``1 + k`` consecutive columns from the last block). A target model's ``align`` group follows
+  the reference engine's layout instead (``core/reservation.py`` ``align_step``): its anchor is
+  the block of the last *scheduled* token, drafts included, and the running state and the draft
+  states fill the last ``1 + k`` columns of the request's table, so the anchor is read off the
+  table (:func:`align_anchors`). ``all`` also writes the state at every block
   boundary a step crosses (position ``p`` with ``(p + 1) % block_size == 0``) into ``block_of(p)``,
   so prefix-cache hits on whole blocks find their state; ``align`` leaves that to chunking.
 - After verification accepts ``a`` of the ``1 + d`` verified positions (``a >= 1``) the live state
@@ -84,8 +88,11 @@ def plan_state(
     num_scheduled_tokens: int,
     num_spec_tokens: int,
     live_column: int | None,
+    anchor: int | None = None,
 ) -> StatePlan:
-    """The reads and writes of one request in one step (see the module docstring)."""
+    """The reads and writes of one request in one step (see the module docstring). ``anchor``:
+    the column of the state after the last committed token when the layout fixes it elsewhere
+    (a target's ``align`` group: :func:`align_anchors`); by default the block of that token."""
     c, s, d = num_computed_tokens, num_scheduled_tokens, num_spec_tokens
     if not 0 <= d < s or d > spec.num_speculative_blocks:
         raise ValueError(
@@ -100,7 +107,8 @@ def plan_state(
         for i in range(s - d):
             if (c + i + 1) % spec.block_size == 0:
                 writes[i] = block_of(spec, c + i)
-    anchor = anchor_column(spec, committed)
+    if anchor is None:
+        anchor = anchor_column(spec, committed)
     for j in range(1 + d):
         writes[s - d - 1 + j] = anchor + j
     return StatePlan(live_column if c > 0 else None, tuple(sorted(writes.items())))
@@ -240,6 +248,23 @@ def identity_blocks(table: torch.Tensor) -> list[int]:
     return table.gather(1, width - 1 - from_end).squeeze(1).tolist()
 
 
+def align_anchors(spec: MambaSpec, table: torch.Tensor) -> list[int]:
+    """A target ``align`` group: each row's anchor, the first of the last ``1 + k`` columns it
+    holds (``core/reservation.py`` ``align_state_columns``); the table only ever appends and its
+    newest column always holds a block, so the last non-null column ends the row (-1: a padded
+    row, null blocks only).
+
+    NOTE: read off the table rather than recomputed from this step's tokens: after drafts were
+    rejected a step may schedule fewer tokens than an earlier one, and the anchor stays where the
+    earlier step put it (the table never shrinks)."""
+    if table.shape[1] == 0:
+        return [-1] * table.shape[0]
+    nonzero = (table.cpu() != 0).to(torch.int8)
+    width = table.shape[1]
+    anchors = width - 1 - nonzero.flip(1).argmax(dim=1) - spec.num_speculative_blocks
+    return torch.where(nonzero.any(dim=1), anchors, torch.full_like(anchors, -1)).tolist()
+
+
 def row_spans(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
     """``(num_computed, num_scheduled, identity block)`` of every row of ``meta`` (padded included;
     see :func:`identity_blocks`)."""
@@ -269,6 +294,8 @@ class MambaStates:
         self.specs = specs
         self._live: dict[str, dict[str, int]] = {}  # req_id -> group -> live column
         self._drafts: dict[str, int] = {}  # req_id -> drafts verified in the current step
+        # req_id -> group -> this step's anchor in a target ``align`` group (``align_anchors``)
+        self._anchors: dict[str, dict[str, int]] = {}
         self._owner: dict[str, dict[int, str]] = {g: {} for g in specs}  # group -> identity block -> req_id
 
     @classmethod
@@ -287,6 +314,7 @@ class MambaStates:
         for req_id in req_ids:
             self._live.pop(req_id, None)
             self._drafts.pop(req_id, None)
+            self._anchors.pop(req_id, None)
         gone = set(req_ids)
         for owners in self._owner.values():
             for block in [b for b, r in owners.items() if r in gone]:
@@ -310,14 +338,21 @@ class MambaStates:
         for req_id, n, out in zip(req_ids, seq_lens, sampled, strict=True):
             committed = int(n) - self._drafts.get(req_id, 0)
             live = self._live.setdefault(req_id, {})
+            anchors = self._anchors.get(req_id, {})
             for group, spec in self.specs.items():
-                live[group] = accepted_column(spec, committed, max(1, len(out)))
+                accepted = max(1, len(out))
+                if group in anchors:
+                    live[group] = anchors[group] + accepted - 1
+                else:
+                    live[group] = accepted_column(spec, committed, accepted)
 
     def plans(self, group: str, meta: AttentionMetadata) -> list[StatePlan]:
         """One plan per row of ``meta`` (padded rows included)."""
         spec = self.specs[group]
         plans = []
-        for c, s, first in row_spans(meta):
+        align = spec.cache_mode == "align"
+        anchors = align_anchors(spec, meta.block_table) if align else None
+        for row, (c, s, first) in enumerate(row_spans(meta)):
             req_id = self._owner[group].get(first)
             if s == 0 or first == 0:
                 plans.append(StatePlan(None, ()))
@@ -327,6 +362,10 @@ class MambaStates:
                 live = self._live.get(req_id, {}).get(group)
                 if c > 0 and live is None:
                     live = prefix_column(spec, c)
+                anchor = None
+                if anchors is not None:
+                    anchor = anchors[row]
+                    self._anchors.setdefault(req_id, {})[group] = anchor
                 plans.append(
                     plan_state(
                         spec,
@@ -334,6 +373,7 @@ class MambaStates:
                         num_scheduled_tokens=s,
                         num_spec_tokens=self._drafts.get(req_id, 0),
                         live_column=live,
+                        anchor=anchor,
                     )
                 )
         return plans
