@@ -17,6 +17,28 @@ def _private_startup_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch
     monkeypatch.setenv("WARMCAP_STARTUP_CACHE", str(tmp_path_factory.mktemp("startup-cache")))
 
 
+@pytest.fixture(scope="module")
+def screen_on_every_cpu():
+    """The screened greedy head (``models/greedy_head.py``) needs oneDNN's bf16 GEMM, which AVX2
+    CPUs (many AMD ones among them) lack: there no head is built. Tests of the head's logic run it
+    as the portable screen on such CPUs (``WARMCAP_EXACT_GREEDY_HEAD=portable``), so every CPU
+    tests the same candidate test, re-score and runner path. Yields the mode in force."""
+    from warmcap.models.greedy_head import ENV_SWITCH, can_screen
+
+    if can_screen():
+        yield "onednn"
+        return
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "portable"
+    try:
+        yield "portable"
+    finally:
+        if before is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
 @pytest.fixture(scope="session")
 def cpu_gemm():
     """The compiled CPU GEMM (``cpu_kernels/gemm.c``), built now: a test that asks for it fails,

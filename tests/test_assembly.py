@@ -172,6 +172,7 @@ def test_smollm2_plan_from_its_config_alone_equals_assembly_over_its_loaded_weig
     assert planned.num_blocks == int(300 * per_block * config.cache.memory_fraction) // per_block
 
 
+@pytest.mark.usefixtures("screen_on_every_cpu")
 def test_kv_sizing_counts_the_screened_greedy_head_the_runner_builds(monkeypatch) -> None:
     """The pool is sized around the target's screened head (``models/greedy_head.py``): the bytes
     counted for a model on the meta device are the bytes the loaded engine's head holds."""

@@ -18,6 +18,9 @@ from warmcap.models.packed_linear import prepack_linears, unpack_linears
 from warmcap.models.presets import resolve_model
 from warmcap.runner_v2.sampler import row_argmax
 
+#: on CPUs without oneDNN bf16 the head is tested as the portable screen (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("screen_on_every_cpu")
+
 
 def packed_head(weight: torch.Tensor, gemm: Gemm | bool = True) -> nn.Linear:
     """A float32 head packed as the loader packs it (``gemm``: the compiled GEMM's layout, or False

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from warmcap.llm import LLM
-from warmcap.models.greedy_head import ENV_SWITCH, GreedyHead
+from warmcap.models.greedy_head import ENV_SWITCH, GreedyHead, can_screen
 from warmcap.runner_v2.sampler import row_argmax
 from warmcap.sampling_params import SamplingParams
 
@@ -51,8 +51,11 @@ def generate(llm: LLM, prompts: list, params: list[SamplingParams], *, screen: C
     return [o.token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
+pytestmark = pytest.mark.usefixtures("screen_on_every_cpu")
+
+
 @pytest.fixture(scope="module")
-def tiny() -> tuple[LLM, CheckedHead]:
+def tiny(screen_on_every_cpu: str) -> tuple[LLM, CheckedHead]:
     llm = LLM("tiny-llama", **KWARGS)
     return llm, checked(llm)
 
@@ -111,7 +114,11 @@ def test_the_environment_switch_turns_the_screen_off(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert LLM("tiny-llama", **KWARGS).engine.runner.greedy_head is None
     monkeypatch.setenv(ENV_SWITCH, "1")
-    assert isinstance(LLM("tiny-llama", **KWARGS).engine.runner.greedy_head, GreedyHead)
+    # On by default exactly where oneDNN has a bf16 GEMM; the portable screen anywhere.
+    assert isinstance(LLM("tiny-llama", **KWARGS).engine.runner.greedy_head, GreedyHead) == can_screen()
+    monkeypatch.setenv(ENV_SWITCH, "portable")
+    head = LLM("tiny-llama", **KWARGS).engine.runner.greedy_head
+    assert isinstance(head, GreedyHead) and head.portable
 
 
 def test_batch_invariant_heads_are_not_screened() -> None:

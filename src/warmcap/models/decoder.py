@@ -16,7 +16,7 @@ from torch import nn
 
 from warmcap.contracts.parallel import parallel_state
 from warmcap.errors import ModelLoadError
-from warmcap.models.greedy_head import GreedyHead, can_screen, screen_bytes
+from warmcap.models.greedy_head import GreedyHead, screen_bytes, screen_mode
 from warmcap.models.greedy_head import enabled as greedy_head_enabled
 from warmcap.models.layers import RMSNorm, lm_head, vocab_embedding
 from warmcap.models.packed_linear import PackedLinear
@@ -210,10 +210,10 @@ class DecoderForCausalLM(nn.Module):
             or type(head) not in (nn.Linear, PackedLinear)
             or head.bias is not None
             or head.weight.dtype != torch.float32
-            or not can_screen()
+            or screen_mode() is None
         ):
             return 0
-        return screen_bytes(*head.weight.shape)
+        return screen_bytes(*head.weight.shape, portable=screen_mode() == "portable")
 
 
 def check_tensor_parallel(cls: type[nn.Module], world_size: int | None = None) -> None:

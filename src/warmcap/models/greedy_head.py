@@ -47,7 +47,12 @@ there; :func:`screen_bytes` counts this, the larger), 9 bytes per id for the com
 weight used to re-score is the LM head's own parameter (shared with the tied embedding, never
 copied).
 
-``WARMCAP_EXACT_GREEDY_HEAD=0`` turns the screen off (every step computes the full logits).
+``WARMCAP_EXACT_GREEDY_HEAD=0`` turns the screen off (every step computes the full logits). The
+screen needs oneDNN's bf16 GEMM (AVX512-BF16 or AMX CPUs); elsewhere no head is built, unless
+``WARMCAP_EXACT_GREEDY_HEAD=portable``: the same screen with float32 products of the bf16-rounded
+values (exact as products of 8-bit mantissas, summed in float32 and rounded to bf16: the bound's
+premises), 4 bytes a weight. It is exact but no faster than the full head: it exists so that the
+head's logic is tested on every CPU (the tests set it where oneDNN has no bf16).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from warmcap.cpu_kernels.gemm import BlockedWeight
@@ -82,10 +88,10 @@ _MIN_CANDIDATE_LIMIT = 512
 _CHUNK = 16
 
 
-def screen_bytes(vocab_size: int, hidden_size: int) -> int:
+def screen_bytes(vocab_size: int, hidden_size: int, *, portable: bool = False) -> int:
     """What a :class:`GreedyHead` over a ``[vocab_size, hidden_size]`` head holds beside it: the bf16
-    copy, the float32 row norms and the ``[2, _CHUNK, V]`` scratch."""
-    return vocab_size * hidden_size * 2 + vocab_size * 4 * (1 + 2 * _CHUNK)
+    copy (float32-held when ``portable``), the float32 row norms and the ``[2, _CHUNK, V]`` scratch."""
+    return vocab_size * hidden_size * (4 if portable else 2) + vocab_size * 4 * (1 + 2 * _CHUNK)
 
 
 def can_screen() -> bool:
@@ -96,6 +102,14 @@ def can_screen() -> bool:
 def enabled() -> bool:
     """Whether ``$WARMCAP_EXACT_GREEDY_HEAD`` leaves the screened head on (it is unless "0")."""
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+
+
+def screen_mode() -> str | None:
+    """How a head would be screened here: ``"onednn"`` (bf16 GEMM), ``"portable"`` (forced by
+    ``WARMCAP_EXACT_GREEDY_HEAD=portable``) or None (no screen on this CPU)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() == "portable":
+        return "portable" if can_prepack() else None
+    return "onednn" if can_screen() else None
 
 
 def bound_coefficient(hidden_size: int) -> float:
@@ -164,6 +178,8 @@ class GreedyHead:
     #: scratch of :meth:`screen`, made on first use: float32 ``[2, _CHUNK, V]`` for torch's ops,
     #: ``9 V`` bytes for the compiled test
     work: torch.Tensor | None = None
+    #: ``screen_weight`` is the bf16-rounded weight held in float32 (the portable screen)
+    portable: bool = False
 
     @classmethod
     def build(cls, head: nn.Module, ops: LayerOps | None = None) -> GreedyHead | None:
@@ -175,14 +191,20 @@ class GreedyHead:
         weight = head.weight.detach()
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
-        if not can_screen():
+        mode = screen_mode()
+        if mode is None:
             return None
         # float64 norms never under- or overflow for float32 rows; rounded up so b_v only grows.
         norms = weight.double().norm(dim=1).mul_(1 + 2.0**-20).float()
         max_norm = float(norms.max()) if norms.numel() else 0.0
         if not math.isfinite(max_norm):
             return None
-        screen_weight = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
+        portable = mode == "portable"
+        screen_weight = (
+            weight.bfloat16().float()
+            if portable
+            else torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
+        )
         return cls(
             head=head,
             screen_weight=screen_weight,
@@ -191,6 +213,7 @@ class GreedyHead:
             coefficient=bound_coefficient(weight.shape[1]),
             hidden_size=weight.shape[1],
             ops=ops,
+            portable=portable,
         )
 
     @property
@@ -201,7 +224,7 @@ class GreedyHead:
     @property
     def nbytes(self) -> int:
         """Memory the screen adds beside the head: the bf16 copy, the norms and the scratch."""
-        return screen_bytes(*self.weight.shape)
+        return screen_bytes(*self.weight.shape, portable=self.portable)
 
     @property
     def max_candidates(self) -> int:
@@ -225,7 +248,10 @@ class GreedyHead:
         scale = (norms * (1 + 2.0**-20)).float()
         cx = (scale * self.coefficient).unsqueeze(1)
         absolute = (2.0**-123 * (2 * n + 1 + math.sqrt(n) * (scale + self.max_norm))).unsqueeze(1)
-        approx = _linear(x.bfloat16(), self.screen_weight)
+        if self.portable:
+            approx = F.linear(x.bfloat16().float(), self.screen_weight).bfloat16()
+        else:
+            approx = _linear(x.bfloat16(), self.screen_weight)
         if self.ops is not None:
             found = self.ops.greedy_candidates(
                 approx, cx, absolute, self.row_norms, self._workspace(9, torch.uint8)
