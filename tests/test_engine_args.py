@@ -28,6 +28,7 @@ EXAMPLES: dict[str, Any] = {
     "block_size": 32,
     "num_blocks": 77,
     "gpu_memory_utilization": 0.5,
+    "kv_cache_space": 0.5,
     "enable_prefix_caching": False,
     "mamba_cache_mode": "all",
     "max_num_seqs": 3,
