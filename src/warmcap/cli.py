@@ -206,6 +206,9 @@ def plan(
             if source is not None and source.name == "DEFAULT":
                 engine[name] = option_default(name, SERVE)
         engine = serving_engine_values(engine)
+        source = ctx.get_parameter_source("enforce_eager")
+        if source is not None and source.name == "DEFAULT":
+            engine["enforce_eager"] = serving_enforce_eager(engine["device"])
     config = engine_config(model, engine)
     if config.tensor_parallel_size > 1:
         _refuse_unshardable(model, config.tensor_parallel_size)
@@ -237,6 +240,15 @@ def serving_engine_values(engine: dict[str, Any]) -> dict[str, Any]:
     if out.get("max_num_seqs") is None:
         out["max_num_seqs"] = min(seqs, out["max_num_batched_tokens"])
     return out
+
+
+def serving_enforce_eager(device: str) -> bool:
+    """``warmup serve``'s graph default: eager on CPU (the ``static`` backend runs the same eager
+    code, and one graph per decode batch size up to ``max_num_seqs`` would lengthen start-up by
+    minutes), graphs on CUDA."""
+    from warmcap.assembly import resolve_device
+
+    return resolve_device(device).type != "cuda"
 
 
 def _refuse_unshardable(model: str, tensor_parallel_size: int) -> None:
@@ -624,13 +636,12 @@ def serve(
     SIGINT/SIGTERM.
     """
     _worker_if_launched(engine["tensor_parallel_size"], quiet=quiet, verbose=verbose)
-    from warmcap.assembly import resolve_device
     from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.serve.app import ServeOptions
     from warmcap.serve.server import serve as run_server
 
     if enforce_eager is None:
-        enforce_eager = resolve_device(engine["device"]).type != "cuda"
+        enforce_eager = serving_enforce_eager(engine["device"])
     config = engine_config(model, {**serving_engine_values(engine), "enforce_eager": enforce_eager})
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     options = ServeOptions(
