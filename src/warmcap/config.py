@@ -103,7 +103,7 @@ class CacheConfig:
         )
         _require(
             space is None or self.num_blocks is None,
-            f"num_blocks ({self.num_blocks}) and kv_cache_space_gib ({space} GiB) both size the KV pool: "
+            f"num_blocks ({self.num_blocks}) and kv_cache_space ({space} GiB) both size the KV pool: "
             "pass only one",
         )
         _require(
