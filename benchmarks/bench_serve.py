@@ -4,10 +4,17 @@ against offline ``generate`` on the same engine and the same workload.
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_serve.py [--model smollm2-135m] [--max-tokens 32]
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_serve.py --default-flags --concurrency 1,32
 
-``--default-flags`` builds the engine as ``warmup serve --model M`` does (``max_num_seqs`` 8,
-``max_num_batched_tokens`` 512, the model's own ``max_model_len``, the graph backend and capture
-sizes start-up picks) instead of sizing it for the workload; every level's tokens/s is also given
-as a ratio to one client's, the check that concurrent clients are never served slower in total.
+``--default-flags`` builds the engine as ``warmup serve --model M`` does (vLLM's server limits for
+the device: on CPU ``max_num_seqs`` 128, ``max_num_batched_tokens`` 2048, the fixed KV space, eager;
+the model's own ``max_model_len``) instead of sizing it for the workload; every level's tokens/s is
+also given as a ratio to one client's, the check that concurrent clients are never served slower in
+total.
+
+``--startup`` first launches ``warmup serve --model M`` itself (a child process, default flags plus
+``--startup-args``) and prints the seconds from launch to ``GET /health`` 200 and the server's
+resident memory then (psutil), ``--startup-rounds`` times; ``--concurrency ''`` stops there.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_serve.py --startup --startup-rounds 3 --concurrency ''
 
 Greedy, ``ignore_eos``: every request produces exactly ``max_tokens``. One engine is started once (the
 audited start-up of ``warmup serve``); offline ``generate`` over all prompts is timed on it first,
@@ -132,12 +139,61 @@ def client_level(
     return run_level(client, model, prompts, concurrency, max_tokens, seconds)
 
 
+def serve_startup(model: str, extra: list[str], timeout: float = 600.0) -> tuple[float, int, float]:
+    """Seconds from launching ``warmup serve --model M`` to ``/health`` 200, its resident bytes then
+    (the process and any children, e.g. tensor-parallel workers), and the CPU seconds it spent
+    (user + system: on a busy machine the steadier measure of what start-up costs)."""
+    import os
+    import subprocess
+
+    import httpx
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "from warmcap.cli import main; main()"
+    argv = [sys.executable, "-c", code, "serve", "--model", model, "--port", str(port), "-q", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"warmup serve exited {proc.returncode}: {proc.stderr.read().decode()[-2000:]}"
+                )
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"warmup serve not ready after {timeout} s")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        ready = time.perf_counter() - t0
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+        rss = sum(p.memory_info().rss for p in procs)
+        cpu = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+        return ready, rss, cpu
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=32, help="Most requests per level (<= 32 prompts).")
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--concurrency", default="1,8,32", help="Client levels ('' for none).")
+    ap.add_argument(
+        "--startup", action="store_true", help="First measure `warmup serve` start-up (module doc)."
+    )
+    ap.add_argument("--startup-rounds", type=int, default=1)
+    ap.add_argument(
+        "--startup-args", default="", help="Extra `warmup serve` flags for --startup, one string."
+    )
     ap.add_argument(
         "--capture-sizes",
         default=None,
@@ -160,6 +216,17 @@ def main() -> None:
         "warmup serve picks (all cores but one on CPU).",
     )
     args = ap.parse_args()
+    # Progress must show when stdout is a file (a long run on a busy machine).
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    if args.startup:
+        for i in range(args.startup_rounds):
+            ready, rss, cpu = serve_startup(args.model, args.startup_args.split())
+            print(
+                f"warmup serve --model {args.model} {args.startup_args}: ready in {ready:.1f} s "
+                f"({cpu:.1f} s CPU), resident {rss / 1e9:.2f} GB (round {i + 1}; acceptance: <= 15 s, <= 3 GB)"
+            )
+    if not args.concurrency:
+        return
     import torch
 
     from warmcap.serve.server import serving_model_threads
@@ -168,8 +235,6 @@ def main() -> None:
     if threads is not None:
         torch.set_num_threads(threads)
     print(f"model threads: {torch.get_num_threads()}")
-    # Progress must show when stdout is a file (a long run on a busy machine).
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     started_at = time.perf_counter()
 
     import uvicorn
@@ -183,8 +248,12 @@ def main() -> None:
     prompts = load_prompts(args.num_requests)
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.default_flags:
+        from warmcap.cli import serving_enforce_eager, serving_engine_values
+
         # NOTE: `warmup serve`'s defaults (cli.py); prefix caching stays on, as it is there.
-        sizing: dict[str, object] = {"max_num_seqs": 8, "max_num_batched_tokens": 512}
+        limits = serving_engine_values({"device": "cpu", "tensor_parallel_size": 1})
+        sizing: dict[str, object] = {k: limits[k] for k in ("max_num_seqs", "max_num_batched_tokens")}
+        args.enforce_eager = args.enforce_eager or serving_enforce_eager("cpu")
         capture = args.capture_sizes
     else:
         sizing = {

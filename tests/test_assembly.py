@@ -187,3 +187,20 @@ def test_kv_sizing_counts_the_screened_greedy_head_the_runner_builds(monkeypatch
     monkeypatch.setenv("WARMCAP_EXACT_GREEDY_HEAD", "0")
     assert counted - resident_bytes(engine.config, cpu, meta) == head.nbytes > 0
     engine.shutdown()
+
+
+def test_plan_serve_is_the_audited_warmup_a_server_runs_at_default_flags() -> None:
+    """`warmup serve`'s defaults on CPU (128 sequences, 2048 tokens a step, the fixed KV space,
+    eager): `warmup plan --serve` prints the warmup the server's engine runs, and its audited run
+    stays inside the blocks each request holds."""
+    res = runner.invoke(app, ["plan", "--serve", "--model", "tiny-llama", "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output)
+    config = build_config(
+        "tiny-llama", device="cpu", max_num_seqs=128, max_num_batched_tokens=2048, enforce_eager=True
+    )
+    engine = LLMEngine(config)
+    assert engine.num_blocks == plan["num_blocks"]
+    assert _engine_warmup_plan(engine) == plan
+    assert engine.config.scheduler.max_num_seqs == 128 and plan["steps"]
+    engine.shutdown()

@@ -28,6 +28,7 @@ EXAMPLES: dict[str, Any] = {
     "block_size": 32,
     "num_blocks": 77,
     "gpu_memory_utilization": 0.5,
+    "kv_cache_space": 0.5,
     "enable_prefix_caching": False,
     "mamba_cache_mode": "all",
     "max_num_seqs": 3,
@@ -158,3 +159,30 @@ def test_max_model_len_auto_is_the_models_own_limit(capture_config) -> None:
     res = CliRunner().invoke(app, ["plan", "--model", MODEL, "--max-model-len", "lots"])
     assert res.exit_code == 2
     assert "auto for the model's own limit" in res.output
+
+
+def test_serve_by_default_takes_vllms_server_limits_for_the_device_and_runs_eager_on_cpu(
+    capture_config,
+) -> None:
+    config = capture_config("serve", "--device", "cpu")
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 2048)
+    assert config.model.enforce_eager and config.speculative is None
+    assert config.scheduler.max_model_len is None  # the model's own context
+    assert config.cache.kv_cache_space_gib is None  # the CPU default space (kv_sizing.py)
+    given = capture_config("serve", "--device", "cpu", "--max-num-batched-tokens", "64", "--capture-graphs")
+    # never more sequences than tokens a step (as vLLM), and graphs when asked
+    assert given.scheduler.max_num_seqs == 64 and not given.model.enforce_eager
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--spec", "ngram:2", "--max-num-seqs", "16"],
+        ["--max-model-len", "256", "--enforce-eager", "--kv-cache-space", "1"],
+    ],
+)
+def test_plan_serve_describes_the_engine_serve_builds(capture_config, flags: list[str]) -> None:
+    assert capture_config("plan", "--serve", "--device", "cpu", *flags) == capture_config(
+        "serve", "--device", "cpu", *flags
+    )

@@ -55,7 +55,12 @@ def model_max_len(hf_config: Any) -> int | None:
 
 def finish_config(config: EngineConfig, hf_config: Any) -> EngineConfig:
     """``config`` with ``max_model_len`` resolved: the user's, checked against the model's limit,
-    else the model's. A model that states no limit needs an explicit one."""
+    else the model's. A model that states no limit needs an explicit one.
+
+    The architecture is checked first: a context limit is no use to a model warmcap cannot run."""
+    from warmcap.models.registry import check_architecture
+
+    check_architecture(hf_config.architectures[0])
     limit = model_max_len(hf_config)
     if limit is not None:
         config.validate_against(model_max_len=limit)

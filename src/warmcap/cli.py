@@ -173,20 +173,42 @@ def plan(
         bool, typer.Option("--json", help="Print the plan as JSON (schema: docs/warmup.md).")
     ] = False,
     html: Html = None,
+    serve_defaults: Annotated[
+        bool,
+        typer.Option(
+            "--serve",
+            help="Plan with `warmup serve`'s defaults (no speculation, the model's context, vLLM's "
+            "serving sequences and step budget for the device) for every option not given.",
+        ),
+    ] = False,
+    *,
+    ctx: typer.Context,
     **engine: Any,
 ) -> None:
     """Plan warmup exactly as start-up will — same config, KV groups and pool — with no weights loaded.
 
     Takes every engine option of `warmup run` with the same defaults, so `warmup plan` with a run's
-    flags prints the plan that run executes.
+    flags prints the plan that run executes; with --serve, the plan `warmup serve` with the same
+    flags executes.
     """
     import json
     from dataclasses import replace
 
     from warmcap.assembly import assemble_for_plan
+    from warmcap.cli_options import option_default
     from warmcap.warmup.plan_view import render_plan
     from warmcap.warmup.planner import plan_warmup
 
+    if serve_defaults:
+        for name in engine:
+            # NOTE: by name: typer carries its own copy of click, whose enum is not click's.
+            source = ctx.get_parameter_source(name)
+            if source is not None and source.name == "DEFAULT":
+                engine[name] = option_default(name, SERVE)
+        engine = serving_engine_values(engine)
+        source = ctx.get_parameter_source("enforce_eager")
+        if source is not None and source.name == "DEFAULT":
+            engine["enforce_eager"] = serving_enforce_eager(engine["device"])
     config = engine_config(model, engine)
     if config.tensor_parallel_size > 1:
         _refuse_unshardable(model, config.tensor_parallel_size)
@@ -203,6 +225,30 @@ def plan(
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:
         render_plan(result, Console())
+
+
+def serving_engine_values(engine: dict[str, Any]) -> dict[str, Any]:
+    """``engine`` with the batch limits left unset filled as ``warmup serve`` fills them: vLLM's
+    OpenAI-server defaults for the device (``engine_args.serving_batch_defaults``), and never more
+    sequences than tokens a step."""
+    from warmcap.engine_args import serving_batch_defaults
+
+    seqs, tokens = serving_batch_defaults(engine["device"], engine["tensor_parallel_size"])
+    out = dict(engine)
+    if out.get("max_num_batched_tokens") is None:
+        out["max_num_batched_tokens"] = tokens
+    if out.get("max_num_seqs") is None:
+        out["max_num_seqs"] = min(seqs, out["max_num_batched_tokens"])
+    return out
+
+
+def serving_enforce_eager(device: str) -> bool:
+    """``warmup serve``'s graph default: eager on CPU (the ``static`` backend runs the same eager
+    code, and one graph per decode batch size up to ``max_num_seqs`` would lengthen start-up by
+    minutes), graphs on CUDA."""
+    from warmcap.assembly import resolve_device
+
+    return resolve_device(device).type != "cuda"
 
 
 def _refuse_unshardable(model: str, tensor_parallel_size: int) -> None:
@@ -567,13 +613,24 @@ def serve(
             help="CPU threads for the model (torch intra-op). Default: all cores but one, left to the HTTP side.",
         ),
     ] = None,
+    enforce_eager: Annotated[
+        bool | None,
+        typer.Option(
+            "--enforce-eager/--capture-graphs",
+            help="Capture no graphs, every step eager (default on CPU: the static graph backend runs the "
+            "same eager code, and a graph per decode batch size 1..max_num_seqs would add minutes to "
+            "start-up); graphs by default on CUDA.",
+        ),
+    ] = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
     **engine: Any,
 ) -> None:
     """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
 
-    Sized for serving by default (8 sequences, 512 tokens a step, the model's context).
+    Sized for serving by default, as vLLM's OpenAI server: the model's context, and on CPU 128
+    sequences, 2048 tokens a step and a 4 GiB KV space (--kv-cache-space; on CUDA 256 or 1024
+    sequences by device memory and --gpu-memory-utilization). `warmup plan --serve` prints its warmup.
     Exits 2 when the model or options given are unusable (as every command does), 1 when start-up
     finds a stray KV write, graphs that do not replay like eager, or fails otherwise; 0 after
     SIGINT/SIGTERM.
@@ -583,7 +640,9 @@ def serve(
     from warmcap.serve.app import ServeOptions
     from warmcap.serve.server import serve as run_server
 
-    config = engine_config(model, engine)
+    if enforce_eager is None:
+        enforce_eager = serving_enforce_eager(engine["device"])
+    config = engine_config(model, {**serving_engine_values(engine), "enforce_eager": enforce_eager})
     sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
     options = ServeOptions(
         api_key=api_key,

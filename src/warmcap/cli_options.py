@@ -8,8 +8,9 @@ hands every such parameter to ``engine_args.build_config``.
 Defaults. ``warmup plan`` and ``warmup run`` describe one engine, so they share :data:`STARTUP`
 (a small start-up that finishes in seconds on a CPU, with a drafter that writes KV so the audit
 has draft passes to check); ``warmup plan`` with a run's flags prints the plan that run executes.
-``warmup serve`` sizes for serving (:data:`SERVE`, vLLM's own defaults: 8 sequences, 512 tokens,
-the model's context). ``warmup generate`` sizes for its one request (its help says how).
+``warmup serve`` sizes for serving (:data:`SERVE`: the model's context, and the sequences and step
+budget vLLM's OpenAI server takes on the device, ``engine_args.serving_batch_defaults``: 128 and
+2048 on CPU). ``warmup generate`` sizes for its one request (its help says how).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class CommandDefaults:
     """The sizing defaults of a group of commands."""
 
     speculative_config: str
-    max_num_seqs: int
+    #: None: computed by the command (``generate``: from the prompt; ``serve``: for the device)
+    max_num_seqs: int | None
     max_num_batched_tokens: int | None
     max_model_len: int | None
 
@@ -43,15 +45,15 @@ STARTUP = CommandDefaults(
 GENERATE = CommandDefaults(
     speculative_config="none", max_num_seqs=1, max_num_batched_tokens=None, max_model_len=None
 )
-#: ``warmup serve``: sized for serving
+#: ``warmup serve``: sized for serving (the batch limits: vLLM's server defaults for the device)
 SERVE = CommandDefaults(
-    speculative_config="none", max_num_seqs=8, max_num_batched_tokens=512, max_model_len=None
+    speculative_config="none", max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None
 )
 
 
-def _engine(name: str, *flags: str, help_suffix: str = "") -> Any:
+def _engine(name: str, *flags: str, help_suffix: str = "", **option: Any) -> Any:
     """A ``typer.Option`` for the engine option ``name``, with the table's help text."""
-    return typer.Option(*flags, help=ARGS_BY_NAME[name].help + help_suffix)
+    return typer.Option(*flags, help=ARGS_BY_NAME[name].help + help_suffix, **option)
 
 
 MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
@@ -67,12 +69,13 @@ AttentionBackend = Annotated[str, _engine("attention_backend")]
 BlockSize = Annotated[int, _engine("block_size")]
 NumBlocks = Annotated[int | None, _engine("num_blocks")]
 GpuMemoryUtilization = Annotated[float, _engine("gpu_memory_utilization")]
+KvCacheSpace = Annotated[float | None, _engine("kv_cache_space", metavar="GIB")]
 EnablePrefixCaching = Annotated[
     bool | None, _engine("enable_prefix_caching", "--enable-prefix-caching/--no-enable-prefix-caching")
 ]
 MambaCacheMode = Annotated[str, _engine("mamba_cache_mode")]
-MaxNumSeqs = Annotated[int, _engine("max_num_seqs")]
-MaxNumBatchedTokens = Annotated[int, _engine("max_num_batched_tokens")]
+MaxNumSeqs = Annotated[int | None, _engine("max_num_seqs")]
+MaxNumBatchedTokens = Annotated[int | None, _engine("max_num_batched_tokens")]
 
 
 def _max_model_len(value: str | None) -> int | None:
@@ -156,6 +159,7 @@ ENGINE_OPTION_TYPES: dict[str, Any] = {
     "block_size": BlockSize,
     "num_blocks": NumBlocks,
     "gpu_memory_utilization": GpuMemoryUtilization,
+    "kv_cache_space": KvCacheSpace,
     "enable_prefix_caching": EnablePrefixCaching,
     "mamba_cache_mode": MambaCacheMode,
     "max_num_seqs": MaxNumSeqs,

@@ -21,6 +21,8 @@ MAMBA_CACHE_MODES: tuple[str, ...] = ("none", "all", "align")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "flashinfer")
 MAX_SPECULATIVE_TOKENS = 16
+#: the KV space a CPU engine takes when neither the option nor ``VLLM_CPU_KVCACHE_SPACE`` says (vLLM's)
+DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 
 KVRole = Literal["none", "producer", "consumer"]
 
@@ -65,11 +67,16 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache: block size, pool size (explicit or a memory fraction), prefix caching."""
+    """Paged KV cache: block size, pool size (explicit, a fixed space, or a memory fraction), prefix
+    caching."""
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_fraction: float = 0.9
+    #: KV space in GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``). None: on CPU that variable, else
+    #: :data:`DEFAULT_CPU_KV_CACHE_SPACE_GIB`; on CUDA ``memory_fraction`` of free memory
+    #: (``kv_sizing.py``).
+    kv_cache_space_gib: float | None = None
     #: None (auto): on where every KV group can serve prefix hits, else off with one line saying why;
     #: True: required (start-up refuses a model that cannot serve hits); False: off.
     enable_prefix_caching: bool | None = None
@@ -88,6 +95,16 @@ class CacheConfig:
         _require(
             0.0 < self.memory_fraction <= 1.0,
             f"memory_fraction must be in (0, 1]; got {self.memory_fraction}",
+        )
+        space = self.kv_cache_space_gib
+        _require(
+            space is None or (not isinstance(space, bool) and space > 0),
+            f"kv_cache_space_gib must be a positive number of GiB, e.g. 4; got {space!r}",
+        )
+        _require(
+            space is None or self.num_blocks is None,
+            f"num_blocks ({self.num_blocks}) and kv_cache_space ({space} GiB) both size the KV pool: "
+            "pass only one",
         )
         _require(
             self.mamba_cache_mode in MAMBA_CACHE_MODES,

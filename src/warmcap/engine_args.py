@@ -100,6 +100,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         alias="memory_fraction",
     ),
     EngineArg(
+        "kv_cache_space",
+        "cache",
+        "kv_cache_space_gib",
+        "KV cache space in GiB (default on CPU: $VLLM_CPU_KVCACHE_SPACE, else 4, as vLLM's CPU build; "
+        "on CUDA the pool takes --gpu-memory-utilization of free memory instead). Pages are touched "
+        "only as requests write them.",
+    ),
+    EngineArg(
         "enable_prefix_caching",
         "cache",
         "enable_prefix_caching",
@@ -206,6 +214,30 @@ def _build_part(cls: type, values: dict[str, Any], spelled: dict[str, str]) -> A
             if name != attr and message.startswith(attr):
                 raise ConfigError(name + message[len(attr) :]) from None
         raise
+
+
+#: vLLM's OpenAI-server defaults (``max_num_seqs``, ``max_num_batched_tokens``): CPU (per rank), and
+#: CUDA below / from 70 GiB of device memory (an A100 stays on the smaller pair)
+SERVING_BATCH_CPU = (128, 2048)
+SERVING_BATCH_GPU = (256, 2048)
+SERVING_BATCH_BIG_GPU = (1024, 8192)
+_BIG_GPU_BYTES = 70 << 30
+
+
+def serving_batch_defaults(device: str = "auto", tensor_parallel_size: int = 1) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` a server takes when not told, as vLLM's OpenAI
+    server picks them for the device (``warmup serve``; ``LLM`` keeps the config's own)."""
+    from warmcap.assembly import resolve_device
+
+    resolved = resolve_device(device)
+    if resolved.type != "cuda":
+        seqs, tokens = SERVING_BATCH_CPU
+        return seqs * tensor_parallel_size, tokens * tensor_parallel_size
+    import torch
+
+    props = torch.cuda.get_device_properties(resolved)
+    big = props.total_memory >= _BIG_GPU_BYTES and "a100" not in props.name.lower()
+    return SERVING_BATCH_BIG_GPU if big else SERVING_BATCH_GPU
 
 
 def auto_dtype(model: str, device: str = "auto") -> str:

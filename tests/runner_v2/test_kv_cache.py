@@ -61,3 +61,32 @@ def test_unregistered_kind_names_the_known_ones() -> None:
     group = KVCacheGroup("cross_attention", CrossAttentionSpec(block_size=4), ("l0",))
     with pytest.raises(ModelLoadError, match="known: \\['full', 'indexer', 'mamba', 'mla', 'sliding_window'"):
         KVCaches([group], num_blocks=3, dtype=torch.float32, device="cpu")
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_a_cpu_pool_reads_as_zeros_and_holds_memory_only_for_blocks_written() -> None:
+    """A 2 GiB pool costs no resident memory until written; reading it costs none either; writing
+    and scrubbing some blocks makes just those resident (the pool is sized for a worst case that
+    serving rarely reaches)."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64)
+    num_blocks = (2 << 30) // (4 * spec.page_size_bytes)  # 4 layers, 2 GiB in all
+    before = _rss()
+    caches = KVCaches(
+        [KVCacheGroup("full", spec, ("l0", "l1", "l2", "l3"))], num_blocks, dtype=torch.float32, device="cpu"
+    )
+    assert caches.total_bytes >= 2 << 30
+    assert _rss() - before < 64 << 20
+    l0 = caches.tensors["l0"]
+    assert l0.shape == (2, num_blocks + 1, 16, 4, 64) and l0.is_contiguous()
+    assert all(not t.any() for t in caches.tensors.values())  # zeros, read without being touched
+    assert _rss() - before < 64 << 20
+    l0[:, 7] = 1.0
+    caches.zero_blocks([7, 9, num_blocks])  # warmup's scrub: used blocks and the sink
+    grown = _rss() - before
+    assert 3 * spec.page_size_bytes <= grown < 64 << 20
+    assert not l0[:, 7].any()

@@ -33,12 +33,19 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    """The implementation class for ``architecture``; ModelLoadError listing the supported ones."""
-    target = MODEL_REGISTRY.get(architecture)
-    if target is None:
+def check_architecture(architecture: str) -> None:
+    """ModelLoadError naming ``architecture`` and the supported ones unless it is registered (no
+    import: start-up and ``warmup plan`` check it before anything that depends on the model)."""
+    if architecture not in MODEL_REGISTRY:
         raise ModelLoadError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
+            ": use a checkpoint of one of these"
         )
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The implementation class for ``architecture``; ModelLoadError listing the supported ones."""
+    check_architecture(architecture)
+    target = MODEL_REGISTRY[architecture]
     module_name, _, class_name = target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)

@@ -7,6 +7,8 @@ layout ends in the PAD sink block and is scrubbed by :meth:`KVCaches.zero_blocks
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -67,6 +69,25 @@ def _layout(spec: KVSpec) -> KVLayout:
     return layout
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on CPU one whose pages are not touched until written.
+
+    NOTE: ``torch.zeros`` writes every byte, so a CPU pool sized for its worst case is resident from
+    start-up (13 GB for a 135M model). A private anonymous mapping reads as zeros and the kernel
+    backs a page only once it is written, so resident KV grows with the blocks requests use; a
+    block warmup wrote is scrubbed back to zeros (``warmup/run.py``) and stays resident.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor holds the mapping (an exported buffer) for as long as it lives.
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
 class KVCaches:
     """The KV tensors of every layer of ``groups``, ``num_blocks`` block ids each (null block 0
     included) plus the sink."""
@@ -89,9 +110,7 @@ class KVCaches:
         for group in self.groups:
             layout = _layout(group.spec)
             for layer in group.layer_names:
-                self.tensors[layer] = torch.zeros(
-                    layout.shape(group.spec, num_blocks), dtype=dtype, device=device
-                )
+                self.tensors[layer] = zeroed(layout.shape(group.spec, num_blocks), dtype, device)
                 self.layer_to_group[layer] = group.name
                 self._block_dims[layer] = layout.block_dim
 

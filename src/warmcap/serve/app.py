@@ -22,8 +22,8 @@ from warmcap import __version__
 from warmcap.serve.engine_loop import EngineLoop, StartFailure, State
 from warmcap.serve.errors import error_response, install_error_handlers
 from warmcap.serve.metrics import ServingMetrics
+from warmcap.serve.model_api import router as model_router
 from warmcap.serve.openai_api import router
-from warmcap.serve.protocol import ModelCard, ModelList
 from warmcap.serve.startup_facts import StartedEngine, start_engine
 from warmcap.serve.state import ServerState, not_ready
 
@@ -93,6 +93,7 @@ def build_app(
     if opts.api_key is not None:
         app.add_middleware(_BearerAuth, api_key=opts.api_key)
     app.include_router(router)
+    app.include_router(model_router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -117,13 +118,6 @@ def build_app(
         counts = loop.serving_audit_counts()
         report["serving_audit"] = None if counts is None else counts.to_json()
         return JSONResponse(report)
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        state: ServerState = app.state.warmcap
-        state.check_ready()
-        card = ModelCard(id=model_name, max_model_len=loop.engine.config.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
 
     return app
 

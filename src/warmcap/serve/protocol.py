@@ -7,6 +7,7 @@ it is null: an accepted parameter is always honoured, never dropped.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -180,17 +181,90 @@ class ChatCompletionChunk(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's permission entry of a model card (OpenAI's legacy shape; every server grants the same)."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """One ``/v1/models`` entry, with vLLM's fields: ``root`` is where the weights and tokenizer were
+    loaded from (clients such as ``vllm bench serve`` load the tokenizer from it), ``parent`` is set
+    only for an adapter on a base model (none here)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "warmcap"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class _TokenizeFields(BaseModel):
+    # NOTE: extra fields are kept so the handler can refuse them by name (``serve/params.py``).
+    model_config = ConfigDict(extra="allow")
+
+    #: optional; when given it must name the served model
+    model: str | None = None
+    #: also return each id's token string (``convert_ids_to_tokens``)
+    return_token_strs: bool = False
+
+
+class TokenizeCompletionRequest(_TokenizeFields):
+    """``POST /tokenize`` with a text prompt."""
+
+    prompt: str
+    #: the tokenizer's own special tokens (BOS where it adds one), as a completion prompt gets them
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_TokenizeFields):
+    """``POST /tokenize`` with chat messages, rendered through the chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    #: leave the last message open (the model continues it); excludes ``add_generation_prompt``
+    continue_final_message: bool = False
+    #: special tokens on top of what the template writes (default off: the template writes BOS)
+    add_special_tokens: bool = False
+    #: extra variables for the chat template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:

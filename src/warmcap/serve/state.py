@@ -3,7 +3,9 @@ served model's name, with the checks every route makes first."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
 
 from warmcap.serve.engine_loop import EngineLoop, State
 from warmcap.serve.errors import APIError
@@ -17,6 +19,9 @@ class ServerState:
     loop: EngineLoop
     metrics: ServingMetrics
     model_name: str
+    #: the HTTP side's copy of the engine's tokenizer (``serve/model_api.py``; None until first used)
+    tokenizer: Any = None
+    tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def max_model_len(self) -> int:

@@ -211,6 +211,16 @@ def plan_warmup(
                 n //= 2
     smallest = _smallest_pool(config, kv_groups, max_encoder_len, lookahead)
     if smallest is None:
+        # No pool size helps: the context limit is what refuses the request, so name it.
+        mml = config.max_model_len
+        least = _least_max_model_len(config, kv_groups, max_encoder_len, lookahead)
+        k = config.num_speculative_tokens
+        if least is not None:
+            raise CapacityError(
+                f"max_model_len {mml} is smaller than one request's warmup steps need ({least} tokens: a "
+                f"prompt of {2 + k}, its decode steps{f' with {k} speculative tokens' if k else ''}): "
+                f"raise --max-model-len to at least {least}"
+            )
         raise CapacityError(
             f"warmup cannot plan even one request: {last_error}. The pool is not the limit "
             f"({num_blocks - 1} usable blocks): raise --max-model-len (or lower the speculative k)."
@@ -247,6 +257,18 @@ def _smallest_pool(config, kv_groups, max_encoder_len, lookahead) -> int | None:
         else:
             lo = mid + 1
     return lo
+
+
+def _least_max_model_len(config, kv_groups, max_encoder_len, lookahead, *, search: int = 1024) -> int | None:
+    """The smallest ``max_model_len`` above the config's with which one warmup request's steps fit
+    some pool (None: none within ``search`` tokens more)."""
+    from dataclasses import replace
+
+    for mml in range(config.max_model_len + 1, config.max_model_len + search + 1):
+        longer = replace(config, scheduler=replace(config.scheduler, max_model_len=mml))
+        if _smallest_pool(longer, kv_groups, max_encoder_len, lookahead) is not None:
+            return mml
+    return None
 
 
 class _Attempt:
