@@ -63,13 +63,15 @@ class TrackedRequest:
             stop_reason = self.stop.stop
         elif finish_reason == "stop" and tokens and tokens[-1] in params.stop_token_ids:
             stop_reason = tokens[-1]
+        if self.stop is not None:
+            text = self.stop.text
+        elif finish_reason is None:
+            text = stream.full
+        else:
+            text = stream.final()
         completion = CompletionOutput(
             index=self.index,
-            text=self.stop.text
-            if self.stop is not None
-            else stream.full
-            if finish_reason is None
-            else stream.final(),
+            text=text,
             token_ids=tokens,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
@@ -142,7 +144,10 @@ def find_stop_string(
         if count >= min_tokens:
             # U+FFFD at the end of the previous text may be a character the new token completes: its
             # place is searched again (a one-character stop string there was missed otherwise).
-            start = max(0, len(previous.rstrip(REPLACEMENT)) - longest + 1)
+            complete = len(previous)
+            while complete and previous[complete - 1] == REPLACEMENT:
+                complete -= 1
+            start = max(0, complete - longest + 1)
             hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
             if hits:
                 at, stop = min(hits)
