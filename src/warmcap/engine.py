@@ -24,6 +24,7 @@ from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
+from warmcap.detokenizer import TextDecoder
 from warmcap.distributed.executor import TPExecutor
 from warmcap.drafters import build_drafter
 from warmcap.errors import ConfigError, NonFiniteLogitsError
@@ -134,6 +135,8 @@ class LLMEngine:
             batch_invariant=config.model.batch_invariant,
         )
         self.tokenizer = _try_tokenizer(partial(load_tokenizer, config=hf_config), self.model_path)
+        #: the output text of every request: the tokenizer's decode, a request's new tokens at a time
+        self.detokenizer = TextDecoder(self.tokenizer, skip_special_tokens=True)
         # Under tensor parallelism every rank holds the whole drafter (no-op on one device).
         with replicated():
             self.drafter = build_drafter(config, self.model)
@@ -382,13 +385,13 @@ class LLMEngine:
             tracked = self._requests.get(res.req_id)
             if tracked is None:
                 continue
-            res = apply_stop_strings(tracked, res, self.decode)
+            res = apply_stop_strings(tracked, res, self.detokenizer)
             if res.finished and tracked.stop is not None:
                 self.scheduler.abort_request(res.req_id)  # frees its blocks now
             if tracked.logprobs is not None and res.new_token_ids and logits is not None:
                 rows = logits[res.req_id][: len(res.new_token_ids)]
                 tracked.logprobs += token_logprobs(
-                    rows, res.new_token_ids, tracked.request.sampling_params.logprobs or 0, self.decode
+                    rows, res.new_token_ids, tracked.request.sampling_params.logprobs or 0, self.detokenizer
                 )
             m = tracked.metrics
             if m.first_token_time is None and res.new_token_ids:
@@ -399,7 +402,7 @@ class LLMEngine:
             if res.finished:
                 m.finished_time = now
                 del self._requests[res.req_id]
-            outputs.append(tracked.output(self.decode, res.new_token_ids, res.finish_reason))
+            outputs.append(tracked.output(self.detokenizer, res.new_token_ids, res.finish_reason))
         return outputs + failed
 
     def _end_failed_loads(self, failures: dict[str, str]) -> list[RequestOutput]:
@@ -409,7 +412,7 @@ class LLMEngine:
             tracked = self._requests.pop(req_id, None)
             self.scheduler.abort_request(req_id)
             if tracked is not None:
-                out = tracked.output(self.decode, [], "abort")
+                out = tracked.output(self.detokenizer, [], "abort")
                 out.error = reason
                 outputs.append(out)
         return outputs
@@ -494,7 +497,7 @@ class LLMEngine:
                         advance()
         for req_id, t in tracked.items():
             if req_id not in done:  # aborted by another caller meanwhile
-                done[req_id] = t.output(self.decode, [], "abort")
+                done[req_id] = t.output(self.detokenizer, [], "abort")
         return done
 
     def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[str]:
@@ -536,7 +539,7 @@ class LLMEngine:
         return encode_text(self.tokenizer, text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.detokenizer(token_ids)
 
 
 def _try_tokenizer(load: Callable[[Path], Any], path: Path) -> Any:

@@ -1,7 +1,9 @@
 """From a step's per-request results to what callers see: text, stop strings, logprobs, metrics.
 
 The scheduler decides EOS, stop token ids and length; stop strings need text, so they are decided
-here, after detokenizing, and the engine aborts a request that hit one.
+here, after detokenizing, and the engine aborts a request that hit one. Each request's text grows by
+its new tokens only (:class:`~warmcap.detokenizer.TextStream`), so a step's output work does not
+grow with the length of the outputs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from warmcap.core.request import Request
 from warmcap.core.scheduler_stats import RequestStepOutput
+from warmcap.detokenizer import REPLACEMENT, TextDecoder, TextStream
 from warmcap.outputs import (
     CompletionOutput,
     Logprob,
@@ -20,7 +23,6 @@ from warmcap.outputs import (
     RequestOutput,
     SampleLogprobs,
     StopHit,
-    find_stop_string,
 )
 
 Decode = Callable[[Sequence[int]], str]
@@ -30,8 +32,8 @@ Decode = Callable[[Sequence[int]], str]
 class TrackedRequest:
     """The engine's view of one queued request: what it was asked and what it produced so far.
 
-    ``index`` is the sample's index among its prompt's ``n``; ``num_checked`` counts output tokens
-    already searched for stop strings.
+    ``index`` is the sample's index among its prompt's ``n``; ``text`` is its output text so far
+    (made on first use); the tokens it has been pushed were searched for stop strings.
     """
 
     request: Request
@@ -40,22 +42,36 @@ class TrackedRequest:
     index: int = 0
     logprobs: SampleLogprobs | None = None
     stop: StopHit | None = None
-    num_checked: int = 0
+    text: TextStream | None = None
+
+    def text_stream(self, decoder: TextDecoder) -> TextStream:
+        if self.text is None:
+            self.text = decoder.stream()
+        return self.text
 
     def output(
-        self, decode: Decode, new_token_ids: Sequence[int], finish_reason: str | None
+        self, decoder: TextDecoder, new_token_ids: Sequence[int], finish_reason: str | None
     ) -> RequestOutput:
         req = self.request
         tokens = list(req.output_token_ids)
+        stream = self.text_stream(decoder)
+        if self.stop is None and stream.num_tokens < len(tokens):
+            stream.push(tokens[stream.num_tokens :])
         params = req.sampling_params
         stop_reason: str | int | None = None
         if self.stop is not None:
             stop_reason = self.stop.stop
         elif finish_reason == "stop" and tokens and tokens[-1] in params.stop_token_ids:
             stop_reason = tokens[-1]
+        if self.stop is not None:
+            text = self.stop.text
+        elif finish_reason is None:
+            text = stream.full
+        else:
+            text = stream.final()
         completion = CompletionOutput(
             index=self.index,
-            text=self.stop.text if self.stop is not None else decode(tokens),
+            text=text,
             token_ids=tokens,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
@@ -73,7 +89,9 @@ class TrackedRequest:
         )
 
 
-def apply_stop_strings(tracked: TrackedRequest, res: RequestStepOutput, decode: Decode) -> RequestStepOutput:
+def apply_stop_strings(
+    tracked: TrackedRequest, res: RequestStepOutput, decoder: TextDecoder
+) -> RequestStepOutput:
     """``res`` cut at the first stop string the new tokens complete (finish reason "stop"), else
     ``res`` unchanged. Output tokens past the stop are dropped from the request."""
     req = tracked.request
@@ -82,14 +100,12 @@ def apply_stop_strings(tracked: TrackedRequest, res: RequestStepOutput, decode: 
         return res
     tokens = req.output_token_ids
     hit = find_stop_string(
-        decode,
+        tracked.text_stream(decoder),
         tokens,
-        tracked.num_checked,
         params.stop,
         min_tokens=params.min_tokens,
         include_stop=params.include_stop_str_in_output,
     )
-    tracked.num_checked = len(tokens)
     if hit is None:
         return res
     start = len(tokens) - len(res.new_token_ids)
@@ -103,6 +119,41 @@ def apply_stop_strings(tracked: TrackedRequest, res: RequestStepOutput, decode: 
         num_draft_tokens=res.num_draft_tokens,
         num_accepted_tokens=res.num_accepted_tokens,
     )
+
+
+def find_stop_string(
+    stream: TextStream,
+    token_ids: Sequence[int],
+    stops: Sequence[str],
+    *,
+    min_tokens: int = 0,
+    include_stop: bool = False,
+) -> StopHit | None:
+    """Push ``token_ids`` past those ``stream`` has, one at a time, until the text newly contains a
+    stop string at a token count of at least ``min_tokens``; that count and the text cut there, as
+    vLLM checks it token by token. None (every id pushed) when no stop string appears.
+
+    Only text that a token adds or completes (plus the overlap a stop string may straddle) is
+    searched, so a stop string completed before ``min_tokens`` never ends the request later.
+    """
+    longest = max(map(len, stops))
+    previous = stream.full
+    for count in range(stream.num_tokens + 1, len(token_ids) + 1):
+        stream.push(token_ids[count - 1 : count])
+        text = stream.full
+        if count >= min_tokens:
+            # U+FFFD at the end of the previous text may be a character the new token completes: its
+            # place is searched again (a one-character stop string there was missed otherwise).
+            complete = len(previous)
+            while complete and previous[complete - 1] == REPLACEMENT:
+                complete -= 1
+            start = max(0, complete - longest + 1)
+            hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+            if hits:
+                at, stop = min(hits)
+                return StopHit(count, text[: at + len(stop) if include_stop else at], stop)
+        previous = text
+    return None
 
 
 def token_logprobs(

@@ -1,9 +1,8 @@
 """What a caller gets back for a request, in vLLM's shape: a ``RequestOutput`` holding one
-``CompletionOutput`` per sample, plus the stop-string search that decides where a text ends."""
+``CompletionOutput`` per sample, and where a stop string ended its text."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -93,32 +92,3 @@ class StopHit:
     num_tokens: int
     text: str
     stop: str
-
-
-def find_stop_string(
-    decode: Callable[[Sequence[int]], str],
-    token_ids: Sequence[int],
-    num_checked: int,
-    stops: Sequence[str],
-    *,
-    min_tokens: int = 0,
-    include_stop: bool = False,
-) -> StopHit | None:
-    """The first token count past ``num_checked`` (and at least ``min_tokens``) whose text newly
-    contains a stop string, as vLLM checks it token by token; None when no stop string appears.
-
-    Only text that a token adds (plus the overlap a stop string may straddle) is searched, so a stop
-    string completed before ``min_tokens`` never ends the request later.
-    """
-    longest = max(map(len, stops))
-    first = max(num_checked + 1, min_tokens, 1)
-    previous = decode(token_ids[: first - 1])
-    for count in range(first, len(token_ids) + 1):
-        text = decode(token_ids[:count])
-        start = max(0, len(previous) - longest + 1)
-        hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
-        if hits:
-            at, stop = min(hits)
-            return StopHit(count, text[: at + len(stop) if include_stop else at], stop)
-        previous = text
-    return None
