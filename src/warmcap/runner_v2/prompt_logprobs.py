@@ -52,11 +52,13 @@ def prompt_logprobs_parts(
     num_scheduled: np.ndarray,
     num_prompt_tokens: np.ndarray,
     token_ids: np.ndarray,
+    chunk_rows: int = CHUNK_ROWS,
 ) -> dict[str, PromptLogprobsPart]:
     """Each request's part of this step (requests with ``num_top[i] < 0`` asked for none).
 
     ``hidden`` ``[T, H]`` holds the step's tokens, request ``i``'s from ``query_start[i]``, at
     positions ``computed[i]`` onwards; ``token_ids[rows[i]]`` is that request's tokens (prompt first).
+    At most ``chunk_rows`` rows of full-vocabulary logits exist at once.
     """
     wants = num_top >= 0
     # Hidden states at positions [computed, end) predict prompt tokens computed + 1 .. end.
@@ -76,9 +78,9 @@ def prompt_logprobs_parts(
     index = torch.from_numpy(hidden_index).to(device)
     target = torch.from_numpy(targets).to(device)
     chosen_parts, rank_parts, top_lp_parts, top_id_parts = [], [], [], []
-    for s in range(0, total, CHUNK_ROWS):
-        logprobs = compute_logits(hidden[index[s : s + CHUNK_ROWS]]).float().log_softmax(dim=-1)
-        chosen = logprobs.gather(1, target[s : s + CHUNK_ROWS].unsqueeze(1))
+    for s in range(0, total, chunk_rows):
+        logprobs = compute_logits(hidden[index[s : s + chunk_rows]]).float().log_softmax(dim=-1)
+        chosen = logprobs.gather(1, target[s : s + chunk_rows].unsqueeze(1))
         chosen_parts.append(chosen.squeeze(1))
         rank_parts.append((logprobs > chosen).sum(dim=-1) + 1)
         if k:
