@@ -165,6 +165,20 @@ def test_echo_with_max_tokens_0_returns_just_the_prompt(server, offline) -> None
     # Without echo there is nothing to return: a 400 saying what to do.
     with pytest.raises(openai.BadRequestError, match="only with echo=true"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    # A P/D consumer loads the prompt's KV instead of computing it: no prompt logprobs to give.
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 0,
+            "echo": True,
+            "logprobs": 1,
+            "kv_transfer_params": {"do_remote_prefill": True},
+        },
+        timeout=60,
+    )
+    assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
 
 
 def test_chat_prompt_logprobs_field(server, offline) -> None:

@@ -61,7 +61,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     state.check_model(body.model)
     params = completion_params(body)
     prompts = completion_prompts(body.prompt)
-    _check_transfer(body.kv_transfer_params, len(prompts) * params.n)
+    _check_transfer(body.kv_transfer_params, len(prompts) * params.n, params)
     run = _Run(state, "cmpl", len(prompts), params)
     await run.begin(request, prompts, params, body.kv_transfer_params)
     if body.stream:
@@ -108,7 +108,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     params = chat_params(body, state.max_model_len)
     fill = body.max_completion_tokens is None and body.max_tokens is None
     prompt = ChatPrompt(chat_messages(body.messages))
-    _check_transfer(body.kv_transfer_params, params.n)
+    _check_transfer(body.kv_transfer_params, params.n, params)
     run = _Run(state, "chatcmpl", 1, params)
     await run.begin(request, [prompt], params, body.kv_transfer_params, fill_max_tokens=fill)
     if body.stream:
@@ -143,7 +143,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     )
 
 
-def _check_transfer(kv_transfer_params: dict | None, num_requests: int) -> None:
+def _check_transfer(kv_transfer_params: dict | None, num_requests: int, params: SamplingParams) -> None:
+    if kv_transfer_params is not None and params.prompt_logprobs is not None:
+        # A P/D consumer loads the prompt's KV: its positions never pass through this model's head.
+        raise APIError(
+            400,
+            "prompt logprobs (echo with logprobs, or prompt_logprobs) need the prompt computed here, "
+            "which kv_transfer_params skips: drop one of them",
+            "invalid_parameter",
+            "kv_transfer_params",
+        )
     if kv_transfer_params is not None and num_requests != 1:
         raise APIError(
             400,
