@@ -335,6 +335,7 @@ class LLMEngine:
             RequestMetrics(now, num_prompt_tokens=len(token_ids)),
             index=index,
             logprobs=None if params.logprobs is None else [],
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(token_ids),
         )
 
     @property
@@ -380,6 +381,10 @@ class LLMEngine:
             )
             raise
         now = time.monotonic()
+        for req_id, part in self.runner.last_prompt_logprobs.items():
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.add_prompt_logprobs(part, self.decode)
         outputs = []
         for res in results:
             tracked = self._requests.get(res.req_id)

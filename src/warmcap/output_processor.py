@@ -19,11 +19,13 @@ from warmcap.detokenizer import REPLACEMENT, TextDecoder, TextStream
 from warmcap.outputs import (
     CompletionOutput,
     Logprob,
+    PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     SampleLogprobs,
     StopHit,
 )
+from warmcap.runner_v2.prompt_logprobs import PromptLogprobsPart
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -34,6 +36,8 @@ class TrackedRequest:
 
     ``index`` is the sample's index among its prompt's ``n``; ``text`` is its output text so far
     (made on first use); the tokens it has been pushed were searched for stop strings.
+    ``prompt_logprobs`` fills position by position as the prompt's chunks are computed
+    (``num_prompt_logprobs`` positions so far).
     """
 
     request: Request
@@ -43,11 +47,35 @@ class TrackedRequest:
     logprobs: SampleLogprobs | None = None
     stop: StopHit | None = None
     text: TextStream | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    num_prompt_logprobs: int = 0
 
     def text_stream(self, decoder: TextDecoder) -> TextStream:
         if self.text is None:
             self.text = decoder.stream()
         return self.text
+
+    def add_prompt_logprobs(self, part: PromptLogprobsPart, decode: Decode) -> None:
+        """Fill the positions ``part`` covers; a position computed again (a preempted request
+        recomputes its prompt) keeps its first entry."""
+        entries = self.prompt_logprobs
+        if entries is None:
+            return
+        ids, lps, ranks = part.token_ids.tolist(), part.logprobs.tolist(), part.ranks.tolist()
+        top_ids, top_lps = part.top_ids.tolist(), part.top_logprobs.tolist()
+        for j, pos in enumerate(range(part.start, part.start + len(ids))):
+            if pos >= len(entries) or entries[pos] is not None:
+                continue
+            entries[pos] = _entry(ids[j], lps[j], ranks[j], top_ids[j], top_lps[j], decode)
+            self.num_prompt_logprobs += 1
+
+    @property
+    def prompt_logprobs_done(self) -> PromptLogprobs | None:
+        """The prompt logprobs once every position after the first has its entry, else None."""
+        entries = self.prompt_logprobs
+        if entries is None or self.num_prompt_logprobs < len(entries) - 1:
+            return None
+        return entries
 
     def output(
         self, decoder: TextDecoder, new_token_ids: Sequence[int], finish_reason: str | None
@@ -86,7 +114,18 @@ class TrackedRequest:
             finished=finish_reason is not None,
             new_token_ids=list(new_token_ids),
             kv_transfer_params=req.kv_transfer_params if finish_reason is not None else None,
+            prompt_logprobs=self.prompt_logprobs_done,
         )
+
+
+def _entry(
+    token: int, logprob: float, rank: int, top_ids: list[int], top_lps: list[float], decode: Decode
+) -> dict[int, Logprob]:
+    """One position's ``{token_id: Logprob}``: the given token first, then the top candidates."""
+    entry = {token: Logprob(logprob, rank, decode([token]))}
+    for r, (tid, lp) in enumerate(zip(top_ids, top_lps, strict=True), 1):
+        entry.setdefault(tid, Logprob(lp, r, decode([tid])))
+    return entry
 
 
 def apply_stop_strings(
@@ -165,15 +204,14 @@ def token_logprobs(
     chosen = torch.tensor(list(token_ids), device=logits.device)
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-    top_lp, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1) if num_top else (None, None)
-    out: SampleLogprobs = []
-    for i, tok in enumerate(token_ids):
-        entry = {tok: Logprob(float(chosen_lp[i]), int(ranks[i]), decode([tok]))}
-        if top_ids is not None:
-            for rank, (tid, lp) in enumerate(zip(top_ids[i].tolist(), top_lp[i].tolist(), strict=True), 1):
-                entry.setdefault(tid, Logprob(lp, rank, decode([tid])))
-        out.append(entry)
-    return out
+    k = min(num_top, logprobs.shape[1])
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen.unsqueeze(1)[:, :0])
+    chosen_l, ranks_l = chosen_lp.squeeze(1).tolist(), ranks.tolist()
+    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
+    return [
+        _entry(tok, chosen_l[i], ranks_l[i], top_ids_l[i], top_lp_l[i], decode)
+        for i, tok in enumerate(token_ids)
+    ]
 
 
 def gather_samples(outputs: Sequence[RequestOutput], request_id: str) -> RequestOutput:
@@ -187,4 +225,5 @@ def gather_samples(outputs: Sequence[RequestOutput], request_id: str) -> Request
         metrics=first.metrics,
         finished=all(o.finished for o in outputs),
         new_token_ids=first.new_token_ids,
+        prompt_logprobs=first.prompt_logprobs,
     )

@@ -18,6 +18,9 @@ class Logprob:
 
 #: Per generated token: ``{token_id: Logprob}`` for the sampled token and the top-N candidates.
 SampleLogprobs = list[dict[int, Logprob]]
+#: Per prompt position, as vLLM: None for the first (nothing precedes it), then ``{token_id: Logprob}``
+#: for the prompt token and the top-N candidates there.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -57,7 +60,8 @@ class RequestOutput:
     """A prompt's progress so far: ``outputs`` holds one completion per sample (``n``).
 
     ``text``, ``token_ids``, ``finish_reason`` are the first completion's; ``new_token_ids`` are the
-    tokens it gained in the step that produced this output.
+    tokens it gained in the step that produced this output. ``prompt_logprobs`` (when the request
+    asked for them) is set once the whole prompt has been computed, in every later output.
     """
 
     request_id: str
@@ -71,6 +75,7 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
     #: why the request ended early (a failed KV transfer); None for a request that ran
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def text(self) -> str:

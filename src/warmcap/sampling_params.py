@@ -31,7 +31,10 @@ class SamplingParams:
     request's i-th sample uses ``seed + i``); ``stop`` strings end generation at their first
     occurrence (excluded from the text unless ``include_stop_str_in_output``), finish reason "stop";
     ``logprobs`` N returns, per generated token, the sampled token's and the N most likely tokens'
-    log-probabilities under the model's raw distribution; ``min_tokens`` tokens are generated before
+    log-probabilities under the model's raw distribution; ``prompt_logprobs`` N returns, per prompt
+    position after the first, the prompt token's and the N most likely tokens' log-probabilities
+    (computed while the prompt is prefilled; such a request reads no cached prefix, as vLLM's
+    V1 engine skips the prefix cache for it, since cached positions would have no logits); ``min_tokens`` tokens are generated before
     EOS, ``stop_token_ids`` or a stop string may end the request; ``repetition_penalty`` divides
     positive (multiplies negative) logits of tokens in the prompt or output, ``presence_penalty`` and
     ``frequency_penalty`` subtract per output token seen (once, or per occurrence).
@@ -49,6 +52,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -79,7 +83,7 @@ class SamplingParams:
 
     def _checks(self) -> list[tuple[bool, str]]:
         t, k, p, mp = self.temperature, self.top_k, self.top_p, self.min_p
-        mt, mn, lp = self.max_tokens, self.min_tokens, self.logprobs
+        mt, mn, lp, plp = self.max_tokens, self.min_tokens, self.logprobs, self.prompt_logprobs
         return [
             (_is_number(t) and t >= 0, f"temperature must be a finite number >= 0 (0 is greedy); got {t!r}"),
             (_is_int(k) and k >= -1, f"top_k must be an integer >= -1 (0 or -1 disables it); got {k!r}"),
@@ -101,6 +105,10 @@ class SamplingParams:
             (
                 lp is None or (_is_int(lp) and lp >= 0),
                 f"logprobs must be None or an integer >= 0; got {lp!r}",
+            ),
+            (
+                plp is None or (_is_int(plp) and plp >= 0),
+                f"prompt_logprobs must be None or an integer >= 0; got {plp!r}",
             ),
             (_is_int(mn) and mn >= 0, f"min_tokens must be an integer >= 0; got {mn!r}"),
             (

@@ -269,7 +269,8 @@ def test_response_fields(client, offline) -> None:
         ("/v1/completions", {"repetition_penalty": 0}, 400, openai.BadRequestError, "repetition_penalty"),
         ("/v1/completions", {"logit_bias": {"5": 1}}, 400, openai.BadRequestError, "logit_bias"),
         ("/v1/completions", {"suffix": "end"}, 400, openai.BadRequestError, "suffix"),
-        ("/v1/completions", {"echo": True, "logprobs": 1}, 400, openai.BadRequestError, "echo"),
+        ("/v1/completions", {"max_tokens": 0}, 400, openai.BadRequestError, "only with echo=true"),
+        ("/v1/completions", {"prompt_logprobs": 21}, 400, openai.BadRequestError, "prompt_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, 400, openai.BadRequestError, "logprobs=true"),
         (
             "/v1/chat/completions",

@@ -183,10 +183,16 @@ class KVCacheManager:
         """Longest cached prefix of the request in every group: (block ids per group, tokens).
 
         Only full blocks count, and never the block holding the last token, so at least one token
-        is left to compute (its logits give the next token).
+        is left to compute (its logits give the next token). A request asking for prompt logprobs
+        reads no cached prefix (as vLLM's V1 engine): a cached position has no hidden state to take
+        its logprob from. Its own blocks are still cached for later requests.
         """
         hits: dict[str, list[int]] = {m.name: [] for m in self.managers}
-        if not self.enable_caching or request.num_tokens < 2:
+        if (
+            not self.enable_caching
+            or request.num_tokens < 2
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return hits, 0
         self._update_hashes(request)
         limit = block_of(self._hash_spec, request.num_tokens - 1)

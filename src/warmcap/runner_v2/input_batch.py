@@ -91,6 +91,8 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         # Rows whose request returns logprobs: their steps need the full logits.
         self.wants_logprobs = np.zeros(max_num_reqs, dtype=bool)
+        # Per row: how many top tokens each prompt position reports (-1: no prompt logprobs).
+        self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs))
@@ -160,6 +162,7 @@ class InputBatch:
         self.presence_penalty[row] = 0.0
         self.frequency_penalty[row] = 0.0
         self.wants_logprobs[row] = False
+        self.prompt_logprobs[row] = -1
         heapq.heappush(self._free_rows, row)
         return row
 
@@ -183,6 +186,7 @@ class InputBatch:
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.wants_logprobs[row] = params.logprobs is not None
+        self.prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator()

@@ -32,6 +32,7 @@ from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
 from warmcap.runner_v2.kv_writes import KVWriteLog
 from warmcap.runner_v2.mamba_state import MambaStates
+from warmcap.runner_v2.prompt_logprobs import PromptLogprobsPart, prompt_logprobs_parts
 from warmcap.runner_v2.rejection import Verified, greedy_verify_on_device, probabilistic_verify_on_device
 from warmcap.runner_v2.sampler import Sampler, SamplingMetadata, row_argmax
 from warmcap.runner_v2.step_buffers import StepBuffers
@@ -154,6 +155,8 @@ class ModelRunner:
         # Whether every row of ``last_logits`` is finite, fetched with the sampled tokens (the
         # engine's check reads it instead of reading the device again); None without logits.
         self.last_logits_finite: bool | None = None
+        # Prompt logprobs the latest step computed, per request (``runner_v2/prompt_logprobs.py``).
+        self.last_prompt_logprobs: dict[str, PromptLogprobsPart] = {}
         # The step's one device-to-host copy (tokens, accepted counts, the finite flag).
         self.host_copy = HostCopy(self.device)
         # Target layers whose input hidden states drafters read (EAGLE-3, DFlash); filled per forward.
@@ -210,6 +213,7 @@ class ModelRunner:
         for handler in self.state_handlers:
             handler.forget(gone)
         self.num_steps += 1
+        self.last_prompt_logprobs = {}
         connector = self.kv_connector
         if connector is not None:
             connector.start_load_kv(sched_out.kv_connector_metadata)
@@ -236,6 +240,9 @@ class ModelRunner:
         self.last_positions = self.buffers.positions[: step.num_tokens]
 
         sampled = self._sample(hidden, step)
+        # From the hidden states of every prompt token, whichever way the step ran (a replayed
+        # graph returns them all too); before the drafter, whose passes reuse buffers.
+        self.last_prompt_logprobs = self._prompt_logprobs(hidden, step)
         seq_lens = step.seq_lens.tolist()
         for handler in self.state_handlers:
             handler.finish_step(step.req_ids, seq_lens, sampled)
@@ -453,6 +460,29 @@ class ModelRunner:
         produced = self._fetch(result, finite)
         it = iter(produced)
         return [next(it) if s else [] for s in samples]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, PromptLogprobsPart]:
+        """The prompt logprobs of the step's prompt tokens, for the requests that asked for them.
+
+        NOTE: independent of how the step sampled (the greedy head's argmaxes included): these rows
+        are the prompt's own positions, never a sampling row, and go through the full LM head.
+        """
+        b = self.batch
+        num_top = b.prompt_logprobs[step.rows]
+        if not (num_top >= 0).any():
+            return {}
+        return prompt_logprobs_parts(
+            self.model.compute_logits,
+            hidden,
+            req_ids=step.req_ids,
+            rows=step.rows,
+            num_top=num_top,
+            query_start=step.query_start_loc[:-1],
+            computed=step.seq_lens - step.num_scheduled,
+            num_scheduled=step.num_scheduled,
+            num_prompt_tokens=b.num_prompt_tokens[step.rows],
+            token_ids=b.token_ids,
+        )
 
     def _fetch(self, result: torch.Tensor | Verified, finite: list[torch.Tensor]) -> list[list[int]]:
         """The step's tokens on the host, with the finite flag, in one copy and one wait."""

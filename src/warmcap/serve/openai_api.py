@@ -23,8 +23,8 @@ from pydantic import BaseModel
 from warmcap.serve.chat import ChatPrompt
 from warmcap.serve.engine_loop import EngineFailure, Item
 from warmcap.serve.errors import APIError, error_body
-from warmcap.serve.logprobs import chat_logprobs, completion_logprobs
-from warmcap.serve.params import chat_messages, chat_params, completion_params, completion_prompts
+from warmcap.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_body
+from warmcap.serve.params import chat_messages, chat_params, completion_params, completion_prompts, echo_only
 from warmcap.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -33,6 +33,7 @@ from warmcap.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -42,7 +43,7 @@ from warmcap.serve.protocol import (
 from warmcap.serve.streaming import Sent
 
 if TYPE_CHECKING:
-    from warmcap.outputs import RequestOutput
+    from warmcap.outputs import Logprob, RequestOutput, SampleLogprobs
     from warmcap.sampling_params import SamplingParams
     from warmcap.serve.state import ServerState
 
@@ -60,28 +61,31 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     state.check_model(body.model)
     params = completion_params(body)
     prompts = completion_prompts(body.prompt)
-    _check_transfer(body.kv_transfer_params, len(prompts) * params.n)
+    _check_transfer(body.kv_transfer_params, len(prompts) * params.n, params)
     run = _Run(state, "cmpl", len(prompts), params)
     await run.begin(request, prompts, params, body.kv_transfer_params)
     if body.stream:
         return _sse(run.completion_chunks(body), run)
     outputs = await run.collect()
     choices = []
+    only_prompt = echo_only(body)
     for index, out in enumerate(outputs):
-        echo = run.prompt_text(out) if body.echo else ""
         c = out.outputs[0]
+        # echo with max_tokens 0: the engine's one token is not part of the answer (as vLLM).
+        token_ids, entries, text = ([], [], "") if only_prompt else (c.token_ids, c.logprobs, c.text)
         logprobs = None
-        if c.logprobs is not None:
-            logprobs = completion_logprobs(c.token_ids, c.logprobs, body.logprobs or 0, len(echo))
+        if body.logprobs is not None:
+            logprobs = run.completion_logprobs(body, out, token_ids, entries or [], echo=body.echo)
         choices.append(
             CompletionChoice(
                 index=index,
-                text=echo + c.text,
+                text=(run.prompt_text(out) if body.echo else "") + text,
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 prompt_token_ids=out.prompt_token_ids if body.return_token_ids else None,
-                token_ids=c.token_ids if body.return_token_ids else None,
+                token_ids=token_ids if body.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs),
             )
         )
     return JSONResponse(
@@ -89,7 +93,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
             id=run.id,
             model=body.model,
             choices=choices,
-            usage=run.usage(outputs),
+            usage=run.usage(outputs, completions=not only_prompt),
             kv_transfer_params=outputs[0].kv_transfer_params,
         ).model_dump()
     )
@@ -104,7 +108,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     params = chat_params(body, state.max_model_len)
     fill = body.max_completion_tokens is None and body.max_tokens is None
     prompt = ChatPrompt(chat_messages(body.messages))
-    _check_transfer(body.kv_transfer_params, params.n)
+    _check_transfer(body.kv_transfer_params, params.n, params)
     run = _Run(state, "chatcmpl", 1, params)
     await run.begin(request, [prompt], params, body.kv_transfer_params, fill_max_tokens=fill)
     if body.stream:
@@ -132,13 +136,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
             model=body.model,
             choices=choices,
             usage=run.usage(outputs),
+            prompt_logprobs=prompt_logprobs_body(outputs[0].prompt_logprobs),
             prompt_token_ids=outputs[0].prompt_token_ids if body.return_token_ids else None,
             kv_transfer_params=outputs[0].kv_transfer_params,
         ).model_dump()
     )
 
 
-def _check_transfer(kv_transfer_params: dict | None, num_requests: int) -> None:
+def _check_transfer(kv_transfer_params: dict | None, num_requests: int, params: SamplingParams) -> None:
+    if kv_transfer_params is not None and params.prompt_logprobs is not None:
+        # A P/D consumer loads the prompt's KV: its positions never pass through this model's head.
+        raise APIError(
+            400,
+            "prompt logprobs (echo with logprobs, or prompt_logprobs) need the prompt computed here, "
+            "which kv_transfer_params skips: drop one of them",
+            "invalid_parameter",
+            "kv_transfer_params",
+        )
     if kv_transfer_params is not None and num_requests != 1:
         raise APIError(
             400,
@@ -241,30 +255,64 @@ class _Run:
         if self._watcher is not None:
             self._watcher.cancel()
 
-    def usage(self, outputs: list[RequestOutput]) -> Usage:
-        """Each prompt's tokens once (not once per sample), every choice's generated tokens."""
+    def usage(self, outputs: list[RequestOutput], *, completions: bool = True) -> Usage:
+        """Each prompt's tokens once (not once per sample), every choice's generated tokens (none
+        counted when the answer holds none: echo with max_tokens 0)."""
         prompt = sum(len(o.prompt_token_ids) for i, o in enumerate(outputs) if i % self.n == 0)
-        return usage(prompt, sum(len(o.token_ids) for o in outputs))
+        return usage(prompt, sum(len(o.token_ids) for o in outputs) if completions else 0)
+
+    def completion_logprobs(
+        self,
+        body: CompletionRequest,
+        out: RequestOutput,
+        token_ids: list[int],
+        entries: SampleLogprobs,
+        *,
+        echo: bool,
+        text_offset: int = 0,
+    ) -> CompletionLogprobs:
+        """The completions' ``logprobs`` of ``token_ids``; with ``echo`` the prompt's tokens and
+        logprobs come first (its first token's null), offsets from the prompt's start."""
+        ids: list[int] = list(token_ids)
+        lps: list[dict[int, Logprob] | None] = list(entries)
+        if echo:
+            prompt = out.prompt_logprobs
+            if prompt is None:  # NOTE: the engine sets them with the first token; never missing
+                raise APIError(500, "the engine returned no prompt logprobs for an echo request")
+            ids, lps = [*out.prompt_token_ids, *ids], [*prompt, *lps]
+        decode = self.state.loop.engine.decode
+        return completion_logprobs(ids, lps, body.logprobs or 0, text_offset, decode)
 
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.state.loop.engine.decode(out.prompt_token_ids)
 
     async def completion_chunks(self, body: CompletionRequest) -> AsyncIterator[BaseModel]:
         sent = [Sent() for _ in self.request_ids]
+        only_prompt = echo_only(body)
         async for index, out in self.items():
             assert not isinstance(out, EngineFailure)
             s = sent[index]
             first = s.num_tokens == 0 and not s.text
-            if first and body.echo:
-                s.prefix = self.prompt_text(out)
-                s.offset = len(s.prefix)
-            delta = s.advance(out, self.stops)
-            if delta is None:
-                continue
-            text, token_ids, entries = delta
+            echo = body.echo and first
+            if only_prompt:
+                # One chunk: the prompt (and its logprobs), once the engine's token is in.
+                if not out.finished:
+                    continue
+                text, token_ids, entries = self.prompt_text(out), [], []
+            else:
+                if echo:
+                    s.prefix = self.prompt_text(out)
+                    # Without logprobs for the prompt's tokens, the first token starts after its text.
+                    s.offset = 0 if body.logprobs is not None else len(s.prefix)
+                delta = s.advance(out, self.stops)
+                if delta is None:
+                    continue
+                text, token_ids, entries = delta
             logprobs = None
-            if entries is not None:
-                logprobs = completion_logprobs(token_ids, entries, body.logprobs or 0, s.offset)
+            if body.logprobs is not None and (entries is not None or echo):
+                logprobs = self.completion_logprobs(
+                    body, out, token_ids, entries or [], echo=echo, text_offset=s.offset
+                )
                 s.offset += sum(len(t) for t in logprobs.tokens)
             c = out.outputs[0]
             choice = CompletionChoice(
@@ -279,7 +327,9 @@ class _Run:
             yield CompletionResponse(id=self.id, model=body.model, choices=[choice])
         if body.stream_options and body.stream_options.include_usage:
             outs = [self.finished[i] for i in range(len(self.request_ids))]
-            yield CompletionResponse(id=self.id, model=body.model, choices=[], usage=self.usage(outs))
+            yield CompletionResponse(
+                id=self.id, model=body.model, choices=[], usage=self.usage(outs, completions=not only_prompt)
+            )
 
     async def chat_chunks(self, body: ChatCompletionRequest) -> AsyncIterator[BaseModel]:
         def chunk(index: int, delta: DeltaMessage, **fields: object) -> ChatCompletionChunk:

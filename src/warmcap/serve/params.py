@@ -36,18 +36,32 @@ def refuse_unknown_fields(body: BaseModel, where: str = "") -> None:
 
 
 def completion_params(body: CompletionRequest) -> SamplingParams:
+    """With ``echo`` and ``logprobs`` the prompt's own logprobs are computed too (as vLLM: the
+    ``logprobs`` count unless ``prompt_logprobs`` names one). ``max_tokens: 0`` is allowed only with
+    ``echo``: the engine runs one token, which the handler drops (``echo_only``), as vLLM does."""
     refuse_unknown_fields(body)
-    if body.logprobs is not None and body.echo:
+    _check_logprobs("logprobs", body.logprobs)
+    _check_logprobs("prompt_logprobs", body.prompt_logprobs)
+    max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+    if echo_only(body):
+        max_tokens = 1
+    elif max_tokens == 0:
         raise APIError(
             400,
-            "echo with logprobs needs the prompt's own logprobs, which this server does not compute: "
-            "ask for echo or for logprobs, not both",
-            "unsupported_parameter",
-            "echo",
+            "max_tokens must be an integer >= 1; got 0 (0 is allowed only with echo=true, which returns "
+            "just the prompt): give max_tokens >= 1 or set echo",
+            "invalid_parameter",
+            "max_tokens",
         )
-    _check_logprobs("logprobs", body.logprobs)
-    max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
-    return _params(body, max_tokens, body.logprobs)
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo:
+        prompt_logprobs = body.logprobs
+    return _params(body, max_tokens, body.logprobs, prompt_logprobs)
+
+
+def echo_only(body: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: the answer is the prompt (and its logprobs), nothing generated."""
+    return body.echo and body.max_tokens == 0
 
 
 def chat_params(body: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
@@ -66,7 +80,8 @@ def chat_params(body: ChatCompletionRequest, default_max_tokens: int) -> Samplin
     _check_logprobs("top_logprobs", body.top_logprobs)
     limit = next((n for n in (body.max_completion_tokens, body.max_tokens) if n is not None), None)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    return _params(body, default_max_tokens if limit is None else limit, num_top)
+    _check_logprobs("prompt_logprobs", body.prompt_logprobs)
+    return _params(body, default_max_tokens if limit is None else limit, num_top, body.prompt_logprobs)
 
 
 def _check_logprobs(name: str, value: int | None) -> None:
@@ -80,7 +95,10 @@ def _check_logprobs(name: str, value: int | None) -> None:
 
 
 def _params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     given = {
         "temperature": body.temperature,
@@ -100,6 +118,7 @@ def _params(
         min_tokens=body.min_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()),
         stop_token_ids=list(body.stop_token_ids or ()),
     )

@@ -58,9 +58,12 @@ class CompletionRequest(_SamplingFields):
     #: a string, a list of strings, token ids, or a list of token-id lists
     prompt: str | list[str] | list[int] | list[list[int]]
     #: per generated token, the sampled token's and the ``logprobs`` most likely tokens' log-probabilities
+    #: (with ``echo``, per prompt token too: the first one's is null)
     logprobs: int | None = None
-    #: the prompt's text comes before the completion's in ``text``
+    #: the prompt's text comes before the completion's in ``text``; with ``max_tokens: 0`` only the prompt
     echo: bool = False
+    #: vLLM's: each choice's ``prompt_logprobs``, per prompt position the token's and the N most likely
+    prompt_logprobs: int | None = None
 
 
 class ChatMessage(BaseModel):
@@ -77,6 +80,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    #: vLLM's: the response's ``prompt_logprobs`` over the templated prompt
+    prompt_logprobs: int | None = None
 
 
 class Usage(BaseModel):
@@ -108,6 +113,18 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class LogprobEntry(BaseModel):
+    """vLLM's ``Logprob``: one candidate token's log-probability, rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's ``prompt_logprobs`` field: per prompt position None (the first) or ``{token_id: entry}``
+PromptLogprobsBody = list[dict[int, LogprobEntry] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -117,6 +134,7 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsBody | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -152,6 +170,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsBody | None = None
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
