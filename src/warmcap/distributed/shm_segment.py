@@ -17,10 +17,12 @@ segment has no name: it lives exactly as long as some rank maps it, so no exit p
 with SIGKILL included) can leave it behind. Only a death inside the few milliseconds between create
 and unlink could, and rank 0 removes the name in its ``finally`` there.
 
-Waiting (:meth:`Segment.wait_at_least`): a short spin, a few ``sched_yield``, then the kernel: a
-futex wait on the awaited word (Linux), which the writer wakes when it sees a waiter's flag. On a
-machine with as many busy threads as cores a long spin would steal the very core the awaited peer
-needs, and a sleeper woken by the kernel is scheduled ahead of spinners. Without a futex (another
+Waiting (:meth:`Segment.wait_at_least`): a short spin, then the kernel: a futex wait on the
+awaited word (Linux), which the writer wakes when it sees a waiter's flag. On a machine with as
+many busy threads as cores a long spin would steal the very core the awaited peer needs, and a
+sleeper woken by the kernel is scheduled ahead of tasks that spin or ``sched_yield`` (with eight
+yields before the sleep, ``benchmarks/bench_tp.py`` measured the all-reduces 1.5x slower than
+gloo's blocking reads at load 30 on 2 cores). Without a futex (another
 OS or CPU) the wait sleeps in growing steps instead. Every :data:`CHECK_S` the wait also checks the
 peers: one whose closed flag is set or whose process is gone (or a zombie) ends the wait with
 :class:`PeerGoneError`, and a deadline ends it with :class:`TimeoutError`.
@@ -61,9 +63,8 @@ RING_SLOTS = 8
 RING_SLOT_BYTES = 256 << 10
 #: how often a wait checks its peers and its deadline
 CHECK_S = 0.01
-#: waits first spin this many polls, then yield the CPU this many times, then sleep in the kernel
+#: waits first spin this many polls (a few microseconds), then sleep in the kernel
 SPIN_POLLS = 64
-YIELD_POLLS = 8
 #: the longest sleep step where no futex is available
 MAX_SLEEP_S = 0.002
 
@@ -341,13 +342,6 @@ class Segment:
 
     def _wait_slow(self, index: int, target: int, timeout_s: float) -> None:
         words = self.words
-        sched_yield = getattr(os, "sched_yield", None)
-        if sched_yield is not None:
-            for _ in range(YIELD_POLLS):
-                sched_yield()
-                if words[index] >= target:
-                    self.fence()
-                    return
         start = time.monotonic()
         check_at = start + CHECK_S
         flag = self.layout.word(self.rank, SLEEPING)
