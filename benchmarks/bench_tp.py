@@ -1,19 +1,21 @@
-"""Tensor parallelism on CPU: TP=2 against TP=1 in the same run, and what the communication costs.
+"""Tensor parallelism on CPU: TP=1 against TP=2 over shared memory and over gloo, in one run.
 
 Each configuration starts its own engine (eager, so every step runs the model), generates greedily
 for the shared prompts (``benchmarks/data/bench_prompts.jsonl``), and reports decode throughput.
-Under TP=2 rank 0 (this process) also times, per engine step:
+The configurations alternate round by round (TP=1, TP=2 shm, TP=2 gloo, ...), once with torch's
+default threads per process and once with one thread per rank, and the load average is recorded
+around each run: on a shared machine one round can land on a busy spell, so compare within a round
+and take the best of each. Under TP=2 rank 0 (this process) also times, per engine step:
 
 - the all-reduces (one after each row-parallel linear: attention ``o_proj`` and MLP ``down_proj``
   per layer, plus the vocab-parallel embedding) and the LM head's all-gather, each including the
   wait for the other rank to arrive;
-- the object broadcasts of the command channel (the step's ``SchedulerOutput`` and the sampled
-  tokens), with the pickled size of the scheduler outputs.
+- the command channel's shares (the step's ``SchedulerOutput`` and the sampled tokens), with the
+  pickled size of the scheduler outputs.
 
-On a 2-core machine TP=2 cannot be faster (both ranks share the cores the single rank used); the
-point is the price of the communication.
+The transport is chosen by ``$WARMCAP_TP_COMM`` (``distributed/shm_comm.py``), set here per run.
 
-    .venv/bin/python benchmarks/bench_tp.py [--model smollm2-135m] [--prompts 4] [--max-tokens 32] [--rounds 2] [--threads 1]
+    .venv/bin/python benchmarks/bench_tp.py [--model smollm2-135m] [--prompts 8] [--max-tokens 32] [--rounds 2] [--threads 0,1]
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+import warmcap.models.layers as layers
 from warmcap.distributed.channel import CommandChannel, Step
+from warmcap.distributed.shm_comm import ENV as COMM_ENV
 from warmcap.llm import LLM
 from warmcap.sampling_params import SamplingParams
 
@@ -61,8 +64,9 @@ class CommTimer:
         setattr(owner, name, timed)
 
     def install(self) -> None:
-        self._wrap(dist, "all_reduce", "all_reduce")
-        self._wrap(dist, "all_gather", "all_gather")
+        # The sharded layers' own references: whichever transport carries them.
+        self._wrap(layers, "all_reduce_sum", "all_reduce")
+        self._wrap(layers, "all_gather_last_dim", "all_gather")
         share = CommandChannel.share
         timer = self
 
@@ -81,11 +85,15 @@ class CommTimer:
         self._saved.clear()
 
 
-def run(model: str, tp: int, prompts: list[str], max_tokens: int) -> dict[str, float]:
+def run(model: str, tp: int, comm: str, prompts: list[str], max_tokens: int) -> dict[str, float]:
+    os.environ[COMM_ENV] = comm
+    load_before = os.getloadavg()[0]
     llm = LLM(
         model, tensor_parallel_size=tp, enforce_eager=True, max_model_len=512, max_num_seqs=len(prompts)
     )
     try:
+        if tp > 1:
+            assert llm.engine.executor.channel.transport == comm, "the transport asked for is not in use"
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # first-call costs
         timer = CommTimer()
@@ -107,58 +115,85 @@ def run(model: str, tp: int, prompts: list[str], max_tokens: int) -> dict[str, f
             "all_gather_ms_per_step": 1000 * timer.seconds["all_gather"] / steps,
             "broadcast_ms_per_step": 1000 * timer.seconds["broadcast"] / steps,
             "step_bytes": timer.step_bytes / steps,
+            "load": (load_before + os.getloadavg()[0]) / 2,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         }
     finally:
         llm.shutdown()
 
 
+CONFIGS = (("TP=1", 1, "auto"), ("TP=2 shm", 2, "shm"), ("TP=2 gloo", 2, "gloo"))
+
+
+def set_threads(threads: int, default: int) -> None:
+    """``threads`` torch threads in this process and (through the environment, read when torch
+    loads) in the spawned workers; 0: torch's default."""
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    else:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        torch.set_num_threads(default)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--threads",
-        type=int,
-        default=1,
-        help="torch threads per process (every rank; 0: torch's default). On a shared machine more "
-        "than one thrashes in OpenMP spin-waits",
+        default="0,1",
+        help="comma-separated torch threads per process to measure (every rank; 0: torch's default)",
     )
     args = parser.parse_args()
-    if args.threads:
-        # NOTE: the environment reaches the spawned worker ranks, which read it when torch loads.
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        torch.set_num_threads(args.threads)
+    default_threads = torch.get_num_threads()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = [r["prompt"] for r in rows[: args.prompts]]
-    # Alternated rounds, best of each: on a shared, loaded machine one round can land on a busy spell.
-    rounds = [(run(args.model, 1, prompts, args.max_tokens), run(args.model, 2, prompts, args.max_tokens))]
-    for _ in range(args.rounds - 1):
-        rounds.append(
-            (run(args.model, 1, prompts, args.max_tokens), run(args.model, 2, prompts, args.max_tokens))
-        )
-    for i, (a, b) in enumerate(rounds):
-        print(f"round {i}: TP=1 {a['tokens_per_s']:.1f} tok/s, TP=2 {b['tokens_per_s']:.1f} tok/s")
-    one = max((a for a, _ in rounds), key=lambda r: r["tokens_per_s"])
-    two = max((b for _, b in rounds), key=lambda r: r["tokens_per_s"])
     print(
-        f"model {args.model}, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, eager, CPU gloo, "
-        f"torch threads per process {torch.get_num_threads()}, best of {args.rounds} alternated rounds"
+        f"model {args.model}, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, eager, CPU, "
+        f"{os.cpu_count()} CPUs, best of {args.rounds} alternated rounds; load = 1-min load average"
     )
-    print(
-        "| TP | tokens/s | ms/step | all-reduce ms/step (calls) | all-gather ms/step | broadcast ms/step | SchedulerOutput bytes/step |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for tp, r in ((1, one), (2, two)):
-        comm = f"{r['all_reduce_ms_per_step']:.2f} ({r['all_reduces_per_step']:.0f})" if tp > 1 else "-"
-        rest = (
-            f"{r['all_gather_ms_per_step']:.2f} | {r['broadcast_ms_per_step']:.2f} | {r['step_bytes']:.0f}"
-            if tp > 1
-            else "- | - | -"
+    for threads in (int(t) for t in args.threads.split(",")):
+        set_threads(threads, default_threads)
+        rounds: dict[str, list[dict[str, float]]] = defaultdict(list)
+        for i in range(args.rounds):
+            line = []
+            for label, tp, comm in CONFIGS:
+                r = run(args.model, tp, comm, prompts, args.max_tokens)
+                rounds[label].append(r)
+                line.append(f"{label} {r['tokens_per_s']:.1f} tok/s (load {r['load']:.1f})")
+            print(f"threads {threads or 'default'} round {i}: " + ", ".join(line), flush=True)
+        best = {label: max(rs, key=lambda r: r["tokens_per_s"]) for label, rs in rounds.items()}
+        same = all(r["token_ids"] == best["TP=1"]["token_ids"] for rs in rounds.values() for r in rs)
+        print(
+            f"\ntorch threads per process: {threads or f'default ({default_threads})'}; "
+            f"tokens identical to TP=1 in every run: {same}"
         )
-        print(f"| {tp} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.1f} | {comm} | {rest} |")
-    print(f"TP=2 / TP=1 throughput: {two['tokens_per_s'] / one['tokens_per_s']:.2f}x")
+        print(
+            "| config | tokens/s | ms/step | all-reduce ms/step (calls) | all-gather ms/step | "
+            "broadcast ms/step | SchedulerOutput bytes/step | load |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for label, r in best.items():
+            if label == "TP=1":
+                comm = "- | - | - | -"
+            else:
+                comm = (
+                    f"{r['all_reduce_ms_per_step']:.2f} ({r['all_reduces_per_step']:.0f}) | "
+                    f"{r['all_gather_ms_per_step']:.2f} | {r['broadcast_ms_per_step']:.2f} | {r['step_bytes']:.0f}"
+                )
+            print(
+                f"| {label} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.1f} | {comm} | {r['load']:.1f} |"
+            )
+        one = best["TP=1"]["tokens_per_s"]
+        print(
+            f"TP=2 shm / TP=1: {best['TP=2 shm']['tokens_per_s'] / one:.2f}x; TP=2 gloo / TP=1: "
+            f"{best['TP=2 gloo']['tokens_per_s'] / one:.2f}x; shm / gloo: "
+            f"{best['TP=2 shm']['tokens_per_s'] / best['TP=2 gloo']['tokens_per_s']:.2f}x\n",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -100,3 +100,46 @@ def fail_on_worker(ctx: object) -> None:
 
     if parallel_state().rank == 1:
         raise RuntimeError("deliberate failure on the worker")
+
+
+def shm_vs_gloo(rank: int) -> dict[str, object]:
+    """Each rank's all-reduce and all-gather results through the group's shared memory and through
+    gloo (``torch.distributed`` on the same group), for dtypes, shapes, a transposed (strided)
+    input and a tensor larger than one shared buffer (it goes through in chunks)."""
+    import torch.distributed as dist
+
+    from warmcap.contracts.parallel import all_gather_last_dim, all_reduce_sum, parallel_state
+    from warmcap.distributed.shm_segment import DATA_BYTES
+
+    comm = parallel_state().comm
+    g = torch.Generator().manual_seed(1234 + rank)
+    cases = {
+        "decode f32": torch.randn(8, 576, generator=g),
+        "bf16": torch.randn(5, 64, generator=g).to(torch.bfloat16),
+        "strided": torch.randn(64, 6, generator=g).t(),
+        "chunked": torch.randn(DATA_BYTES // 4 * 2 + 77, generator=g),
+        "empty": torch.randn(0, 576, generator=g),
+    }
+    reduce, gather = {}, {}
+    for name, x in cases.items():
+        shm = all_reduce_sum(x.clone())
+        ref = x.clone()
+        dist.all_reduce(ref)
+        reduce[name] = (shm, ref)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        gather[name] = (all_gather_last_dim(x), torch.cat(parts, dim=-1))
+    return {"transport": getattr(comm, "name", "gloo"), "reduce": reduce, "gather": gather}
+
+
+def shm_commands(rank: int) -> dict[str, object]:
+    """Rank 0 shares a run of commands (more than the ring holds, some larger than a slot); every
+    rank returns what it got, in order."""
+    from warmcap.distributed.channel import CommandChannel
+
+    channel = CommandChannel.open(rank, 2)
+    messages: list[object] = [{"step": i, "ids": list(range(i * 10))} for i in range(12)]
+    messages[3] = bytes(range(256)) * 1300  # larger than a ring slot
+    messages[10] = b"\x01" * 400_000
+    received = [channel.share(m if rank == 0 else None) for m in messages]
+    return {"transport": channel.transport, "received": received}

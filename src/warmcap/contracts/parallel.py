@@ -12,11 +12,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from warmcap.errors import ConfigError
+
+
+class Communicator(Protocol):
+    """The model's collectives over a transport other than ``torch.distributed`` (the ranks of one
+    machine over shared memory: ``distributed/shm_comm.py``)."""
+
+    name: str
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +35,14 @@ class ParallelState:
     """One rank's place in the tensor-parallel group.
 
     ``group`` is the ``torch.distributed`` process group (None: the default group, or no group at
-    all when ``world_size`` is 1).
+    all when ``world_size`` is 1). ``comm``, when set, carries the model's collectives instead of
+    ``torch.distributed`` (chosen once, when the rank joins: ``distributed/rendezvous.py``).
     """
 
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    comm: Communicator | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -96,6 +109,8 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place; the identity on one rank."""
     st = _state
     if st.is_parallel:
+        if st.comm is not None:
+            return st.comm.all_reduce_sum(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=st.group)
@@ -107,6 +122,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     st = _state
     if not st.is_parallel:
         return x
+    if st.comm is not None:
+        return st.comm.all_gather_last_dim(x)
     import torch.distributed as dist
 
     parts = [torch.empty_like(x) for _ in range(st.world_size)]

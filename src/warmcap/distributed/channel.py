@@ -1,4 +1,5 @@
-"""How rank 0 drives the worker ranks: Python objects broadcast over a gloo process group.
+"""How rank 0 drives the worker ranks: Python objects broadcast over a gloo process group, or,
+for ranks on one machine, through a shared-memory ring.
 
 Every command (the engine's config at start, a step's ``SchedulerOutput``, a start-up hook, stop) and every per-step agreement
 (the sampled tokens) travels with ``torch.distributed.broadcast_object_list`` from rank 0, and
@@ -7,10 +8,17 @@ always ``gloo`` (the objects are pickled into CPU tensors, also when the model's
 with a long timeout, because a worker waits on it for the next command for as long as the engine
 is idle. A peer that dies closes its sockets, so a pending broadcast fails at once whatever the
 timeout; the model's own group keeps the short collective timeout for hung peers.
+
+When the ranks share one machine (``rendezvous.local_group``), :meth:`CommandChannel.share` — the
+per-step traffic: the step's ``SchedulerOutput`` and the sampled tokens — goes through the
+shared-memory ring instead (``distributed/shm_ring.py``): rank 0 pickles once into a slot, the
+workers poll for it; no sockets, no size exchange. A message larger than a slot (a warmup plan sent
+with a hook) still takes the broadcast. ``gather`` and ``min_int`` (start-up only) stay on gloo.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,6 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from warmcap.distributed.rendezvous import local_group
+from warmcap.distributed.shm_ring import ShmRing
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +77,20 @@ class CommandChannel:
     world_size: int
     group: Any
     lockstep: bool = field(default=False)
+    #: the shared-memory ring when the ranks share one machine (``share`` then goes through it)
+    ring: ShmRing | None = None
 
     @classmethod
     def open(cls, rank: int, world_size: int) -> CommandChannel:
         """Create the command group; every rank of the default group must call this, in the same order."""
-        return cls(rank, world_size, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+        local = local_group()
+        group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        return cls(rank, world_size, group, ring=None if local is None else local.ring)
+
+    @property
+    def transport(self) -> str:
+        """What ``share`` rides: ``shm`` (the ring) or ``gloo`` (the broadcast)."""
+        return "gloo" if self.ring is None else "shm"
 
     @property
     def is_driver(self) -> bool:
@@ -79,6 +99,17 @@ class CommandChannel:
 
     def share(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others' argument is ignored)."""
+        if self.ring is not None:
+            if self.is_driver:
+                payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                if len(payload) <= self.ring.max_bytes:
+                    self.ring.send(payload)
+                    return obj
+                self.ring.send(None)
+            else:
+                payload = self.ring.recv()
+                if payload is not None:
+                    return pickle.loads(payload)
         box = [obj if self.is_driver else None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]

@@ -4,7 +4,9 @@ The standard torch.distributed environment decides when it is set (``MASTER_ADDR
 ``MASTER_PORT``, ``WORLD_SIZE``; with ``RANK`` a launcher started every rank itself, see
 :mod:`warmcap.distributed.launch`); otherwise the group meets on 127.0.0.1 at a free port. The
 backend is ``gloo`` on CPU and ``nccl`` on CUDA. The group's key-value store (a ``TCPStore`` served
-by rank 0) is kept: workers leave their errors and heartbeats in it for rank 0 to read.
+by rank 0) is kept: workers leave their errors and heartbeats in it for rank 0 to read. On CPU,
+ranks that turn out to share one machine also share memory (:func:`local_group`,
+``distributed/shm_comm.py``): the model's collectives and rank 0's commands then go through it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from warmcap.contracts.parallel import ParallelState, set_parallel_state
 from warmcap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from warmcap.distributed.shm_comm import LocalGroup
 
 #: seconds a collective may wait for the other ranks before it fails (instead of hanging)
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
@@ -27,6 +33,8 @@ LAUNCH_ENV: tuple[str, ...] = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK
 
 #: this process's group store while it belongs to a group (see :func:`group_store`)
 _store: dist.TCPStore | None = None
+#: this process's shared-memory planes while its group's ranks share one machine (see :func:`local_group`)
+_local: LocalGroup | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +143,18 @@ def join_group(
         rendezvous.backend, store=store, rank=rank, world_size=rendezvous.world_size, timeout=timeout
     )
     _store = store
-    state = ParallelState(rank=rank, world_size=rendezvous.world_size)
+    comm = None
+    if rendezvous.backend == "gloo" and rendezvous.world_size > 1:
+        from warmcap.distributed.shm_comm import open_local_group
+
+        global _local
+        try:
+            _local = open_local_group(rank, rendezvous.world_size, timeout_s)
+        except BaseException:
+            leave_group()
+            raise
+        comm = None if _local is None else _local.comm
+    state = ParallelState(rank=rank, world_size=rendezvous.world_size, comm=comm)
     set_parallel_state(state)
     return state
 
@@ -147,10 +166,20 @@ def group_store() -> dist.TCPStore:
     return _store
 
 
+def local_group() -> LocalGroup | None:
+    """The shared-memory planes of this process's group when its ranks share one machine (and
+    ``$WARMCAP_TP_COMM`` is not ``gloo``), else None."""
+    return _local
+
+
 def leave_group() -> None:
-    """Destroy this process's group (if any) and return to the single-process state."""
-    global _store
+    """Destroy this process's group (if any) and return to the single-process state; its
+    shared-memory end is closed first, which tells peers still waiting there that it left."""
+    global _store, _local
     set_parallel_state(None)
     _store = None
+    if _local is not None:
+        _local.close()
+        _local = None
     if dist.is_initialized():
         dist.destroy_process_group()

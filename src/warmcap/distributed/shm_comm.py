@@ -1,0 +1,186 @@
+"""The model's collectives between the tensor-parallel ranks of one machine, over shared memory.
+
+Rank 0's group choice (:func:`open_local_group`, called by ``rendezvous.join_group`` once per
+process): every rank of a gloo (CPU) group tells the others its :func:`~.shm_segment.host_key`;
+when all agree, rank 0 creates a segment (:mod:`.shm_segment`), every rank maps it, and the
+model's collectives (``contracts/parallel.py:all_reduce_sum``, ``all_gather_last_dim``) run on
+:class:`ShmCommunicator` instead of gloo. Ranks on different machines keep gloo, CUDA keeps NCCL.
+``$WARMCAP_TP_COMM`` overrides the choice: ``gloo`` keeps gloo on one machine (the A/B peer),
+``shm`` requires shared memory (an error where the ranks cannot share it).
+
+A collective: each rank copies its tensor into its own buffer (even or odd, alternating, so a
+fast rank writing the next collective never overwrites what a slow rank still reads), publishes
+its sequence number, waits for every peer's, and reads all buffers. The sum runs in rank order
+(``x_0 + x_1 + ...``) on every rank, so every rank holds the same bits; at two ranks it is the one
+addition gloo makes too, bit for bit (``tests/distributed/test_shm.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from warmcap.distributed.shm_ring import ShmRing
+from warmcap.distributed.shm_segment import SEQ, SHM_DIR, Layout, Segment, host_key
+from warmcap.errors import ConfigError
+
+logger = logging.getLogger("warmcap.distributed")
+
+#: environment switch for the transport of the ranks of one machine: auto, shm or gloo
+ENV = "WARMCAP_TP_COMM"
+_MODES = ("auto", "shm", "gloo")
+
+
+def comm_mode() -> str:
+    """``$WARMCAP_TP_COMM`` (default ``auto``); ConfigError for another value."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in _MODES:
+        raise ConfigError(f"{ENV}={value!r} is not a tensor-parallel transport; use auto, shm or gloo")
+    return value
+
+
+class ShmCommunicator:
+    """All-reduce (sum) and all-gather over a :class:`~.shm_segment.Segment`; see the module docstring."""
+
+    name = "shm"
+
+    def __init__(self, segment: Segment) -> None:
+        self.seg = segment
+        self.rank = segment.rank
+        self.world_size = segment.layout.world_size
+        self._seq = 0
+        lay = segment.layout
+        whole = torch.frombuffer(segment.buf, dtype=torch.uint8)
+        #: [phase][rank] -> that rank's buffer as bytes
+        self._bytes = [
+            [whole[lay.data_at(r, p) : lay.data_at(r, p) + lay.data_bytes] for r in range(self.world_size)]
+            for p in (0, 1)
+        ]
+        self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+
+    def _buffers(self, dtype: torch.dtype, phase: int) -> list[torch.Tensor]:
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = [[b.view(dtype) for b in per_rank] for per_rank in self._bytes]
+            self._typed[dtype] = typed
+        return typed[phase]
+
+    def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
+        """Publish ``part`` (flat, at most one buffer) and return every rank's, in rank order."""
+        self._seq += 1
+        seq = self._seq
+        bufs = self._buffers(part.dtype, seq & 1)
+        m = part.numel()
+        bufs[self.rank][:m].copy_(part)
+        self.seg.set(SEQ, seq)
+        for r in range(self.world_size):
+            if r != self.rank:
+                self.seg.wait_at_least(r, SEQ, seq)
+        return [b[:m] for b in bufs]
+
+    def _chunk(self, x: torch.Tensor) -> int:
+        return self.seg.layout.data_bytes // x.element_size()
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks in place, in rank order (the same bits on every rank)."""
+        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+        per = self._chunk(x)
+        for start in range(0, flat.numel(), per):
+            part = flat[start : start + per]
+            parts = self._exchange(part)
+            torch.add(parts[0], parts[1], out=part)
+            for other in parts[2:]:
+                part.add_(other)
+        if flat.data_ptr() != x.data_ptr():
+            x.copy_(flat.view(x.shape))
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along the last dimension, in rank order."""
+        x = x.contiguous()
+        flat = x.view(-1)
+        n = flat.numel()
+        per = self._chunk(x)
+        if n <= per:
+            return torch.cat([p.view(x.shape) for p in self._exchange(flat)], dim=-1)
+        out = [torch.empty_like(flat) for _ in range(self.world_size)]
+        for start in range(0, n, per):
+            for dst, src in zip(out, self._exchange(flat[start : start + per]), strict=True):
+                dst[start : start + src.numel()].copy_(src)
+        return torch.cat([p.view(x.shape) for p in out], dim=-1)
+
+
+@dataclass(slots=True)
+class LocalGroup:
+    """The shared-memory planes of the ranks of one machine: the model's collectives and rank 0's
+    command ring, over one segment."""
+
+    segment: Segment
+    comm: ShmCommunicator
+    ring: ShmRing
+
+    def close(self) -> None:
+        self.ring.release()
+        self.segment.close()
+
+
+def open_local_group(
+    rank: int, world_size: int, timeout_s: float, *, layout: Layout | None = None
+) -> LocalGroup | None:
+    """Every rank of the (gloo) default group calls this right after joining; the group's
+    shared-memory planes when all ranks can share memory, else None (every rank gets the same).
+    ``layout``: the segment's sizes (tests shrink them)."""
+    mode = comm_mode()
+    views: list[tuple[str, str, bool]] = [("", "", False)] * world_size
+    dist.all_gather_object(views, (host_key(), mode, SHM_DIR.is_dir()))
+    one_host = len({v[0] for v in views}) == 1 and all(v[2] for v in views)
+    modes = {v[1] for v in views}
+    if "gloo" in modes and "shm" not in modes:
+        return None
+    if not one_host:
+        if "shm" in modes:
+            raise ConfigError(
+                f"{ENV}=shm but the tensor-parallel ranks are not on one machine (or it has no {SHM_DIR}); "
+                f"unset {ENV} to use gloo between machines"
+            )
+        return None
+    layout = layout or Layout(world_size)
+    segment: Segment | None = None
+    error = ""
+    name = None
+    try:
+        if rank == 0:
+            try:
+                segment = Segment.create(layout, timeout_s)
+                name = segment.name
+            except OSError as e:
+                error = f"rank 0 could not create a shared-memory segment ({e})"
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        name = box[0]
+        if rank != 0 and name is not None:
+            try:
+                segment = Segment.attach(rank, name, layout, timeout_s)
+            except OSError as e:
+                error = f"rank {rank} could not map shared-memory segment {name} ({e})"
+        errors = [""] * world_size
+        # NOTE: also the barrier after which every rank has mapped the segment and its name can go.
+        dist.all_gather_object(errors, error)
+    finally:
+        if rank == 0 and segment is not None:
+            segment.unlink()
+    problems = [e for e in errors if e]
+    if problems:
+        if segment is not None:
+            segment.close()
+        if "shm" in modes:
+            raise ConfigError(f"{ENV}=shm but {problems[0]}; unset {ENV} to use gloo")
+        logger.warning("tensor-parallel ranks keep gloo: %s", problems[0])
+        return None
+    assert segment is not None
+    logger.info("tensor-parallel ranks 0..%d share memory (%s)", world_size - 1, segment.name)
+    return LocalGroup(segment, ShmCommunicator(segment), ShmRing(segment))
