@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from warmcap.config import EngineConfig
 from warmcap.cpu_kernels import build
-from warmcap.cpu_kernels.threads import ThreadPlan, plan_threads
+from warmcap.cpu_kernels.threads import SPIN_COUNT, ThreadPlan, plan_threads
 from warmcap.errors import ConfigError
 
 KERNELS = ("gemm.c", "layer_ops.c", "paged_attention.c", "threads.c")
@@ -207,3 +207,26 @@ def threading_native_id() -> int:
     import threading
 
     return threading.get_native_id()
+
+
+# ---- the wait policy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("user", "expected"),
+    [
+        ({}, {"GOMP_SPINCOUNT": SPIN_COUNT}),
+        ({"OMP_WAIT_POLICY": "active"}, {"OMP_WAIT_POLICY": "active"}),
+        ({"GOMP_SPINCOUNT": "5"}, {"GOMP_SPINCOUNT": "5"}),
+    ],
+)
+def test_importing_warmcap_first_gives_torchs_runtime_a_short_spin_unless_the_user_chose(user, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user, PYTHONPATH=os.pathsep.join(sys.path))
+    code = (
+        "import os, sys\nimport warmcap\nassert 'torch' not in sys.modules\nimport torch\n"
+        "print({k: os.environ[k] for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT') if k in os.environ})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert eval(done.stdout) == expected
