@@ -318,6 +318,11 @@ def main() -> None:
                             same = "" if reference is None or out == reference else " (OUTPUT DIFFERS)"
                             reference = reference or out
                             parts.append(f"{p.name} {tokens / secs:.1f}{same}")
+                            # each run as it ends: a run cut short on a loaded machine keeps them
+                            print(
+                                f"  ({threads} thread(s) {scenario} round {r + 1}: {parts[-1]} tok/s)",
+                                flush=True,
+                            )
                             rows.append(
                                 {"threads": threads, "scenario": scenario, "round": r + 1, "peer": p.name,
                                  "tok_s": tokens / secs, "load": os.getloadavg()[0]}
