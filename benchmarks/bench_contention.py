@@ -49,6 +49,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: the environment as the caller gave it, before this script imports warmcap (which sets OpenMP's
+#: wait policy for its own process): each peer starts from this, so only its own code or its
+#: ``@KEY=VALUE`` choose its policy
+BASE_ENV = dict(os.environ)
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_PROMPTS = HERE / "data" / "bench_prompts.jsonl"
@@ -181,7 +185,7 @@ def parse_peers(spec: str, args: argparse.Namespace, base_setup: dict[str, objec
                     f"vLLM's interpreter {str(args.vllm_python)!r} does not exist: run "
                     "benchmarks/setup_vllm_cpu.sh or pass --vllm-python"
                 )
-            env = dict(os.environ)
+            env = dict(BASE_ENV)
             env.pop("PYTHONPATH", None)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads_now <= 1 else f"0-{args.threads_now - 1}"
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -195,7 +199,7 @@ def parse_peers(spec: str, args: argparse.Namespace, base_setup: dict[str, objec
         src = (Path(tree).resolve() / "src").resolve()
         if not (src / "warmcap").is_dir():
             sys.exit(f"peer {name}: {src} has no warmcap package")
-        env = dict(os.environ)
+        env = dict(BASE_ENV)
         env["PYTHONPATH"] = str(src)
         engine_args: dict[str, object] = {}
         for extra in extras:
@@ -213,7 +217,7 @@ def parse_peers(spec: str, args: argparse.Namespace, base_setup: dict[str, objec
 
 def burner_for(scenario: str, args: argparse.Namespace) -> Burner | None:
     limit = args.burner_limit_s
-    env = dict(os.environ)
+    env = dict(BASE_ENV)
     env["PYTHONPATH"] = str(ROOT / "src")
     if scenario == "quiet":
         return None
