@@ -302,7 +302,12 @@ class CpuThreads:
                 return
             os.sched_setaffinity(0, before)
         before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {self.plan.cpus[0]})
+        try:
+            os.sched_setaffinity(0, {self.plan.cpus[0]})
+        except OSError:
+            # The core was taken from this process since (taskset, a cgroup): run where allowed.
+            yield
+            return
         try:
             yield
         finally:
