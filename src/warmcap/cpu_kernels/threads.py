@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -325,8 +324,3 @@ def start_threads(
 
     local, size = local_rank_and_size(rank, world_size)
     return CpuThreads(plan_threads(requested, bind, rank=local, ranks=size, current=torch.get_num_threads()))
-
-
-def runtime_loaded() -> bool:
-    """Whether torch (and so its OpenMP runtime, which reads its environment once) is loaded."""
-    return "torch" in sys.modules
