@@ -39,6 +39,8 @@ EXAMPLES: dict[str, Any] = {
     "kv_role": "consumer",
     "kv_transfer_config": '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}',
     "tensor_parallel_size": 2,
+    "cpu_threads": 1,
+    "cpu_threads_bind": "none",
 }
 ENGINE_COMMANDS = ("plan", "run", "serve", "generate")
 

@@ -103,6 +103,8 @@ EnableChunkedPrefill = Annotated[
 KvRole = Annotated[str, _engine("kv_role")]
 KvTransferConfig = Annotated[str | None, _engine("kv_transfer_config")]
 TensorParallelSize = Annotated[int, _engine("tensor_parallel_size", "--tensor-parallel-size", "-tp")]
+CpuThreads = Annotated[int | None, _engine("cpu_threads")]
+CpuThreadsBind = Annotated[str, _engine("cpu_threads_bind")]
 
 # ---- start-up options (warmup run, warmup serve) ---------------------------------------------------
 Backend = Annotated[
@@ -169,6 +171,8 @@ ENGINE_OPTION_TYPES: dict[str, Any] = {
     "kv_role": KvRole,
     "kv_transfer_config": KvTransferConfig,
     "tensor_parallel_size": TensorParallelSize,
+    "cpu_threads": CpuThreads,
+    "cpu_threads_bind": CpuThreadsBind,
 }
 
 

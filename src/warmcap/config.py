@@ -7,6 +7,7 @@ here; every other module reads them from :class:`EngineConfig`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -25,6 +26,9 @@ MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_CPU_KV_CACHE_SPACE_GIB = 4.0
 
 KVRole = Literal["none", "producer", "consumer"]
+#: ``cpu_threads_bind``: auto, none, or CPU lists ("0-3", "0,2"), one per rank separated by "|"
+_CPU_LIST = r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*"
+_CPU_BIND = re.compile(rf"auto|none|{_CPU_LIST}(\|{_CPU_LIST})*")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -350,9 +354,24 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     #: ranks the model is sharded over (``warmcap.distributed``); 1: one device, no workers
     tensor_parallel_size: int = 1
+    #: model threads of each rank on CPU (None: torch's count with one rank, else the rank's share
+    #: of the cores); see ``cpu_kernels/threads.py``
+    cpu_threads: int | None = None
+    #: where those threads run: auto (pinned to the rank's share of the cores), none, or CPU lists
+    cpu_threads_bind: str = "auto"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
+        ct = self.cpu_threads
+        _require(
+            ct is None or (isinstance(ct, int) and not isinstance(ct, bool) and ct >= 1),
+            f"cpu_threads must be an integer >= 1, got {ct!r}: or leave it unset for the default",
+        )
+        _require(
+            isinstance(self.cpu_threads_bind, str) and _CPU_BIND.fullmatch(self.cpu_threads_bind) is not None,
+            f"cpu_threads_bind {self.cpu_threads_bind!r} is not auto, none or a CPU list such as 0-3 or 0,2 "
+            "(one per tensor-parallel rank separated by |, e.g. 0|1)",
+        )
         _require(
             isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
             f"tensor_parallel_size must be an integer >= 1, got {tp!r}: use 1 for one device",

@@ -24,6 +24,7 @@ from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
+from warmcap.cpu_kernels.threads import start_threads
 from warmcap.detokenizer import TextDecoder
 from warmcap.distributed.executor import TPExecutor
 from warmcap.drafters import build_drafter
@@ -99,6 +100,14 @@ class LLMEngine:
         hf_config = load_hf_config(self.model_path)
         # Fails on an unknown context limit before any weight is read, as `warmup plan` does.
         config = finish_config(config, hf_config)
+        #: this rank's CPU model threads (count now, pinned while a step runs); None on a GPU.
+        #: NOTE: planned before any worker is spawned, so a bad request fails alone.
+        self.cpu_threads = start_threads(
+            self.device.type,
+            config.cpu_threads,
+            config.cpu_threads_bind,
+            world_size=config.tensor_parallel_size,
+        )
         #: rank 0's side of tensor parallelism (None: one device); started before this rank's shard
         #: is loaded, as the shard is built by the group's parallel state
         self.executor: TPExecutor | None = None
@@ -369,7 +378,7 @@ class LLMEngine:
             self._abort_all(r.request_id for r in self.scheduler.running)
             raise
         try:
-            with self._audited():
+            with self._audited(), self._pinned():
                 runner_out = self.runner.execute_model(sched_out)
             logits = self._step_logits(sched_out)
             results = self.scheduler.update_from_output(sched_out, runner_out)
@@ -424,6 +433,10 @@ class LLMEngine:
 
     def _audited(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if self.serving_audit is None else self.serving_audit.step()
+
+    def _pinned(self) -> contextlib.AbstractContextManager[None]:
+        threads = getattr(self, "cpu_threads", None)
+        return contextlib.nullcontext() if threads is None else threads.pinned()
 
     def _release_rows(self, req_ids: set[str]) -> None:
         """Drop ``req_ids`` from the runner's persistent batch now: the failed step may never have

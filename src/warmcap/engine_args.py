@@ -150,6 +150,20 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "(gloo on CPU, NCCL on CUDA); with RANK set (torchrun, several machines) every rank is started "
         "by the launcher and the command on RANK > 0 serves as a worker.",
     ),
+    EngineArg(
+        "cpu_threads",
+        None,
+        "cpu_threads",
+        "Model threads of each rank on CPU (default: torch's count with one rank; with several, the "
+        "cores this process may use split evenly across the ranks).",
+    ),
+    EngineArg(
+        "cpu_threads_bind",
+        None,
+        "cpu_threads_bind",
+        "Where CPU model threads run: auto (each pinned to a core of its rank's share), none (left to the "
+        "OS), or CPU lists such as 0-1, one per rank separated by | (0|1).",
+    ),
 )
 
 ARGS_BY_NAME: dict[str, EngineArg] = {a.name: a for a in ENGINE_ARGS}
@@ -200,6 +214,8 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
         kv_role=top("kv_role", "none"),
         kv_transfer=KVTransferConfig.parse(top("kv_transfer_config", None)),
         tensor_parallel_size=top("tensor_parallel_size", 1),
+        cpu_threads=top("cpu_threads", None),
+        cpu_threads_bind=top("cpu_threads_bind", "auto"),
     )
 
 

@@ -28,8 +28,9 @@ RANK = textwrap.dedent(
 
 
 def spy_compiler(tmp_path: Path, *, fails: bool) -> tuple[Path, Path]:
-    """A ``CC`` that appends a line to a log for every compile (not for ``-dumpfullversion``), takes
-    a second (so two processes starting together overlap), then runs the real compiler or fails."""
+    """A ``CC`` that appends a line to a log for every compile (``-c``; not for the link step or
+    ``-dumpfullversion``), takes a second (so two processes starting together overlap), then runs
+    the real compiler or fails."""
     real = build.compiler()
     assert real is not None, "these tests need the system C compiler"
     log = tmp_path / "compiles.log"
@@ -41,7 +42,7 @@ def spy_compiler(tmp_path: Path, *, fails: bool) -> tuple[Path, Path]:
     )
     cc.write_text(
         "#!/bin/sh\n"
-        f'if [ "$1" = -dumpfullversion ]; then exec {real} "$@"; fi\n'
+        f'case " $* " in *" -c "*) ;; *) exec {real} "$@" ;; esac\n'
         f'echo compile >> "{log}"\n'
         "sleep 1\n"
         f"{run}\n"

@@ -7,6 +7,14 @@ library (``<name>.lock``, filelock) before building: one builds, the others wait
 built. A build goes to a temporary file that is renamed into place, so no process ever loads a
 half-written library.
 
+The kernels run their OpenMP loops on torch's own OpenMP runtime: each is compiled with
+``-fopenmp`` but linked against the runtime torch has loaded (:func:`openmp_runtime`, with an rpath
+to its folder), never the compiler's. With the compiler's ``libgomp`` linked too, a process would
+run two OpenMP runtimes with two thread pools (torch's, the kernels'), each sized to every core and
+each spinning after its parallel regions, on the same cores; thread settings applied to torch's
+pool (``cpu_kernels/threads.py``: count, binding) would miss the kernels'. The runtime's path is part
+of the library's key.
+
 A failed compile is remembered under the same key (``<name>.failed``, holding the compiler's
 message): every later process on the machine gets that failure back at once, flagged
 :attr:`KernelBuildError.recorded`, instead of paying the compile again; the process that tried the
@@ -18,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -79,6 +88,50 @@ EXTRA_FLAGS: dict[str, tuple[str, ...]] = {
 def flags_of(source: str) -> tuple[str, ...]:
     """Every flag ``source`` is compiled with (the target from ``WARMCAP_CPU_ISA``)."""
     return COMPILE_FLAGS + isa_flags(selected_isa()) + EXTRA_FLAGS.get(source, ())
+
+
+#: the file names of OpenMP runtimes: GNU (``libgomp.so.1``, a wheel's ``libgomp-<hash>.so.1``),
+#: Intel (``libiomp5.so``) and LLVM (``libomp.so``); the latter two also serve GCC's ``GOMP_*`` calls
+_OPENMP_RUNTIME = re.compile(r"^lib(gomp|iomp5|omp)([-.][^/]*)?\.so(\.[0-9]+)*$")
+
+
+def mapped_openmp_runtimes(maps: str = "/proc/self/maps") -> list[Path]:
+    """Every OpenMP runtime library mapped into this process, one path per distinct file (device and
+    inode), in the order first mapped; empty where ``maps`` cannot be read (no ``/proc``)."""
+    seen: dict[tuple[str, str], Path] = {}
+    try:
+        with open(maps, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and _OPENMP_RUNTIME.match(Path(fields[5].strip()).name):
+            seen.setdefault((fields[3], fields[4]), Path(fields[5].strip()))
+    return list(seen.values())
+
+
+@cache
+def openmp_runtime() -> Path | None:
+    """The OpenMP runtime torch runs its thread pool on, the library the kernels link against: the
+    one mapped into this process once torch is loaded (preferring one inside torch's folder). None:
+    torch loaded none (a build without OpenMP) or this platform has no ``/proc/self/maps``; the
+    kernels then link the compiler's own runtime, the only one in the process."""
+    # NOTE: the runtime is whatever importing torch mapped; import it here, the kernels need it anyway.
+    import torch
+
+    found = mapped_openmp_runtimes()
+    inside = [p for p in found if Path(torch.__file__).parent in p.resolve().parents]
+    return (inside or found or [None])[0]
+
+
+def link_flags() -> tuple[str, ...]:
+    """How a kernel is linked: against torch's OpenMP runtime (by path, found again at load time
+    through an rpath to its folder), or with ``-fopenmp`` (the compiler's) when torch has none."""
+    runtime = openmp_runtime()
+    if runtime is None:
+        return ("-shared", "-fopenmp")
+    return ("-shared", str(runtime), f"-Wl,-rpath,{runtime.parent}")
 
 
 _STDERR_TAIL = 2000
@@ -156,6 +209,7 @@ def library_path(source: str, cc: str) -> Path:
         text,
         _headers(),
         " ".join(flags_of(source)).encode(),
+        " ".join(link_flags()).encode(),
         _compiler_version(cc).encode(),
         _cpu_flags().encode(),
     ):
@@ -175,21 +229,22 @@ def _compile(source: str, cc: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
+        # Two steps: ``-fopenmp`` on the link line would add the compiler's libgomp beside torch's.
         with resources.as_file(resources.files(__package__).joinpath(source)) as src:
-            done = subprocess.run(
-                [cc, *flags_of(source), str(src), "-o", tmp, "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=COMPILE_TIMEOUT_S,
-            )
-        if done.returncode != 0:
-            message = (
-                f"compiling {source} with {cc!r} failed (exit {done.returncode}): "
-                f"{done.stderr.strip()[-_STDERR_TAIL:]}"
-            )
-            _record_failure(target, message)
-            raise KernelBuildError(message)
+            for step in (
+                [cc, *flags_of(source), "-c", str(src), "-o", obj],
+                [cc, obj, *link_flags(), "-o", tmp, "-lm"],
+            ):
+                done = subprocess.run(step, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+                if done.returncode != 0:
+                    message = (
+                        f"{'compiling' if '-c' in step else 'linking'} {source} with {cc!r} failed "
+                        f"(exit {done.returncode}): {done.stderr.strip()[-_STDERR_TAIL:]}"
+                    )
+                    _record_failure(target, message)
+                    raise KernelBuildError(message)
         os.replace(tmp, target)
     except subprocess.TimeoutExpired as exc:
         message = f"compiling {source} with {cc!r} took over {COMPILE_TIMEOUT_S} s: {exc}"
@@ -198,8 +253,9 @@ def _compile(source: str, cc: str, target: Path) -> None:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"compiling {source} with {cc!r} failed: {exc}") from exc
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def _record_failure(target: Path, message: str) -> None:

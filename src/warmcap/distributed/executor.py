@@ -38,6 +38,7 @@ import torch
 import torch.multiprocessing as mp
 
 from warmcap.config import EngineConfig
+from warmcap.cpu_kernels.threads import prefer_yielding_wait
 from warmcap.distributed.channel import CommandChannel, Launch, RunHook, Stop
 from warmcap.distributed.rank_report import rank_rows, summarize
 from warmcap.distributed.rendezvous import (
@@ -132,6 +133,8 @@ class TPExecutor:
     @classmethod
     def _spawn(cls, n: int, device: torch.device, timeout_s: float) -> tuple[TPExecutor, Rendezvous]:
         rendezvous = rendezvous_for(n, device_type=device.type)
+        # NOTE: the workers are fresh processes: their OpenMP runtime starts with this environment.
+        prefer_yielding_wait()
         ctx = mp.get_context("spawn")
         errors = ctx.Queue()
         procs = [

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from warmcap.cpu_kernels.threads import BIND_AUTO, prefer_yielding_wait, start_threads
 from warmcap.distributed.rendezvous import DEFAULT_COLLECTIVE_TIMEOUT_S, Rendezvous, join_group, leave_group
 from warmcap.errors import WarmcapError
 
@@ -47,6 +48,11 @@ def _rank_main(
     results: Any,
 ) -> None:
     try:
+        # Every rank a share of the cores (gloo: the ranks share this machine's CPU), pinned.
+        if rendezvous.backend == "gloo":
+            threads = start_threads("cpu", None, BIND_AUTO, rank=rank, world_size=rendezvous.world_size)
+            if threads is not None:
+                threads.pin_team()
         join_group(rank, rendezvous, timeout_s=timeout_s)
         try:
             out = fn(rank, *args)
@@ -75,6 +81,8 @@ def run_on_ranks(
     Raises :class:`RankFailedError` for the first rank that raises or dies, or when the ranks
     together take longer than ``timeout_s``.
     """
+    # NOTE: the ranks are fresh processes: their OpenMP runtime starts with this environment.
+    prefer_yielding_wait()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [

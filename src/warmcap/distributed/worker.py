@@ -23,6 +23,7 @@ from warmcap.assembly import assemble
 from warmcap.config import EngineConfig
 from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
+from warmcap.cpu_kernels.threads import start_threads
 from warmcap.distributed.channel import CommandChannel, Launch, RunHook, Step, Stop
 from warmcap.distributed.rank_report import summarize
 from warmcap.distributed.rendezvous import Rendezvous, join_group, leave_group
@@ -80,6 +81,17 @@ def build_rank(
     device = rank_device(launch.device, rank if local_rank is None else local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # This rank's share of the cores, before its first parallel region; a worker is a process of its
+    # own, so its team stays pinned (no caller's thread to leave unpinned between steps).
+    threads = start_threads(
+        device.type,
+        config.cpu_threads,
+        config.cpu_threads_bind,
+        rank=rank,
+        world_size=config.tensor_parallel_size,
+    )
+    if threads is not None:
+        threads.pin_team()
     hf_config = load_hf_config(model_path)
     free_bytes = free_memory_bytes(device)
     torch.manual_seed(config.model.seed)
