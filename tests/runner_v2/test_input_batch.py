@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,3 +153,23 @@ def test_a_step_with_the_same_requests_reuses_nothing_stale_after_the_batch_chan
     b.update(SchedulerOutput(scheduled_new_reqs=[_new("b", [8, 9], [6])]))
     step = b.prepare_inputs(sched)
     assert step.rows.tolist() == [0] and step.input_ids.tolist() == [8, 9]
+
+
+@pytest.mark.parametrize("runs", [False, True], ids=["one-each", "accepted-runs"])
+def test_append_sampled_scatter_of_a_large_batch_equals_appending_request_by_request(runs) -> None:
+    # From 8 rows the tokens go in with one scatter; it must place them as appending one by one does.
+    twins = [
+        InputBatch(max_num_reqs=12, max_model_len=64, max_blocks_per_req=8, group_names=["full"])
+        for _ in range(2)
+    ]
+    prompts = [[i + 1] * (1 + i % 4) for i in range(10)]
+    for b in twins:
+        for i, p in enumerate(prompts):
+            b.add_request(_new(f"r{i}", p, [i + 1]))
+    order = [f"r{i}" for i in (3, 0, 9, 1, 8, 2, 7, 4, 6, 5)]
+    sampled = [[50 + i] * ((i % 3) if runs else 1) for i in range(10)]
+    fast, slow = twins
+    fast.append_sampled(np.array([fast.row_of[r] for r in order]), sampled)
+    for r, toks in zip(order, sampled, strict=True):
+        slow.append_tokens(r, toks)
+    assert (fast.token_ids == slow.token_ids).all() and (fast.num_tokens == slow.num_tokens).all()

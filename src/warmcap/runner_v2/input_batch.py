@@ -19,6 +19,9 @@ from warmcap.core.outputs import CachedRequestData, NewRequestData, SchedulerOut
 from warmcap.runner_v2.block_table import BlockTables
 from warmcap.sampling_params import SamplingParams
 
+#: rows from which :meth:`InputBatch.append_sampled` scatters instead of storing row by row
+_SCATTER_MIN_ROWS = 8
+
 
 @dataclass(slots=True)
 class StepInputs:
@@ -124,16 +127,15 @@ class InputBatch:
                 self.remove_request(req_id)
         for new in sched_out.scheduled_new_reqs:
             self.add_request(new)
-        cached = sched_out.scheduled_cached_reqs
-        if cached:
-            row_of = self.row_of
-            rows = [row_of[c.req_id] for c in cached]
-            # One scatter for every running request's progress; blocks only where some were added.
-            self.num_computed[rows] = [c.num_computed_tokens for c in cached]
-            append = self.block_tables.append
-            for c, row in zip(cached, rows, strict=True):
-                if any(c.new_block_ids.values()):
-                    append(row, c.new_block_ids)
+        # NOTE: one scalar store per running request: the scheduler hands a Python record per
+        # request anyway, and converting its values to an array for one scatter costs more than the
+        # stores below for any batch this runner serves (measured, benchmarks/bench_host_step.py).
+        row_of, computed, append = self.row_of, self.num_computed, self.block_tables.append
+        for c in sched_out.scheduled_cached_reqs:
+            row = row_of[c.req_id]
+            computed[row] = c.num_computed_tokens
+            if any(c.new_block_ids.values()):
+                append(row, c.new_block_ids)
         for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
             if drafts:
                 row = self.row_of[req_id]
@@ -201,6 +203,14 @@ class InputBatch:
     def append_sampled(self, rows: np.ndarray, sampled: Sequence[Sequence[int]]) -> None:
         """:meth:`append_tokens` for a whole step at once: ``sampled[i]`` after row ``rows[i]``'s
         known tokens (one scatter; a decode step appends one token a row)."""
+        if len(rows) < _SCATTER_MIN_ROWS:
+            # A few rows: scalar stores cost less than setting up the fancy-indexed scatter.
+            for row, tokens in zip(rows.tolist(), sampled, strict=True):
+                if tokens:
+                    start = int(self.num_tokens[row])
+                    self.token_ids[row, start : start + len(tokens)] = tokens
+                    self.num_tokens[row] = start + len(tokens)
+            return
         lens = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
         flat = np.fromiter(chain.from_iterable(sampled), dtype=np.int64, count=int(lens.sum()))
         if len(flat) == 0:
