@@ -212,6 +212,8 @@ class StepBuffers:
             self._uploaded = None
 
     def _mark_uploaded(self) -> None:
+        if self.device.type != "cuda":
+            return
         event = torch.cuda.Event()
         event.record()
         self._uploaded = event
