@@ -174,7 +174,11 @@ def test_fused_greedy_head_gives_the_full_logits_argmax_or_declines(ops):
         x[2, 0] = float("nan")
         declined = greedy.argmax(x)
     assert got is not None and torch.equal(got, want)
-    assert declined is None, "a non-finite row must send the step to the full logits"
+    # Declined on the device, no host read here: the runner sees the -1 in its one token fetch and
+    # sends the step to the full logits.
+    assert declined is not None and declined[2] == -1, "a non-finite row must be marked declined"
+    assert torch.equal(declined[[0, 1, 3]], want[[0, 1, 3]])
+    assert FusedGreedyHead.declines_on_device
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -137,3 +137,72 @@ def test_seeded_verification_of_drafts_is_reproducible() -> None:
     first = run()
     assert first == run()
     assert all(1 <= len(tokens) <= 3 for tokens in first)
+
+
+def test_sampling_settings_follow_requests_that_join_and_leave_mid_stream() -> None:
+    # The runner reuses a step's sampling metadata while the batch's composition holds: a seeded
+    # random request joining a greedy one must be sampled as when alone, and the greedy request must
+    # stay greedy before, while and after the random one runs.
+    greedy = SamplingParams(temperature=0.0, max_tokens=14)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=5)
+
+    def alone(req_id: str, params: SamplingParams) -> list[int]:
+        _, runner, sched = _setup(budget=64)
+        sched.add(req_id, PROMPTS[req_id], params)
+        while req_id in sched.reqs:
+            out = sched.schedule()
+            sched.update(out, runner.execute_model(out))
+        return sched.done[req_id]
+
+    _, runner, sched = _setup(budget=64)
+    # First a greedy request alone, then a seeded one in the row it left (the same step rows).
+    for req_id, params in (("b", greedy), ("c", seeded)):
+        sched.add(req_id, PROMPTS[req_id], params)
+        while sched.reqs:
+            out = sched.schedule()
+            sched.update(out, runner.execute_model(out))
+    assert sched.done["c"] == alone("c", seeded)
+    assert sched.done["b"] == alone("b", greedy)
+    sched.add("a", PROMPTS["a"], greedy)
+    for _ in range(4):
+        out = sched.schedule()
+        sched.update(out, runner.execute_model(out))
+    sched.add("c", PROMPTS["c"], seeded)
+    while sched.reqs:
+        out = sched.schedule()
+        sched.update(out, runner.execute_model(out))
+    assert sched.done["c"] == alone("c", seeded)
+    assert sched.done["a"] == alone("a", greedy)
+
+
+def test_a_greedy_head_that_declines_a_row_on_the_device_sends_the_step_to_the_full_logits() -> None:
+    # A head with ``declines_on_device`` (the fused CUDA head) marks a non-finite row with -1 instead
+    # of reading the device; the runner sees it in the step's one fetch and samples from the full
+    # logits, so the tokens are the full path's.
+    class DecliningHead:
+        declines_on_device = True
+
+        def __init__(self, model) -> None:
+            self.model, self.calls = model, 0
+
+        def argmax(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            ids = self.model.compute_logits(x).argmax(dim=-1)
+            return torch.where(torch.arange(len(ids)) == 0, -1, ids) if self.calls % 2 else ids
+
+    def run(head) -> tuple[dict[str, list[int]], int]:
+        model, runner, sched = _setup(budget=64)
+        runner.greedy_head = head(model) if head else None
+        full = 0
+        for req_id in ("a", "b"):
+            sched.add(req_id, PROMPTS[req_id], SamplingParams(temperature=0.0, max_tokens=6))
+        while sched.reqs:
+            out = sched.schedule()
+            sched.update(out, runner.execute_model(out))
+            full += runner.last_logits is not None
+        return sched.done, full
+
+    plain, _ = run(None)
+    declined, full_steps = run(DecliningHead)
+    assert declined == plain
+    assert full_steps == 3, "every other step's head declined a row: those steps took the full logits"

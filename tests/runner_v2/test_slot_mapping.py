@@ -6,12 +6,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmcap.contracts import PAD_SLOT_ID
-from warmcap.runner_v2.slot_mapping import compute_slot_mapping
+from warmcap.runner_v2.slot_mapping import compute_slot_mapping, host_slot_mapping
 from warmcap.runner_v2.triton_slot_mapping import triton_slot_mapping
 
 
@@ -52,8 +53,16 @@ def test_torch_and_triton_agree_with_plain_formula(batch) -> None:
     ref = compute_slot_mapping(bt, qsl, positions, bs, torch.full((total,), 7, dtype=torch.int64))
     tri = triton_slot_mapping(bt, qsl, positions, bs, torch.full((total,), 7, dtype=torch.int64))
     expected = _plain_slots(table, qlens, starts, bs) + [PAD_SLOT_ID] * pad
+    host = host_slot_mapping(
+        bt.numpy(), torch.tensor(qlens).numpy(), positions.numpy(), bs, np.full(total, 7)
+    )
     assert ref.tolist() == expected
     assert tri.tolist() == expected
+    assert host.tolist() == expected
+    if all(n == 1 for n in qlens):
+        # A decode step: the host path's short case (no query lengths), the same slots.
+        one_each = host_slot_mapping(bt.numpy(), None, positions.numpy(), bs, np.full(total, 7))
+        assert one_each.tolist() == expected
 
 
 def test_long_request_crosses_kernel_chunks() -> None:

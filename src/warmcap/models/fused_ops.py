@@ -241,17 +241,22 @@ class FusedGreedyHead:
     one argmax launch over it, never the ``[N, V]`` float32 logits. The argmax of the float32 cast
     is the argmax of the product (the cast is exact), so tokens equal the full path's; a row with a
     non-finite logit makes :meth:`argmax` return None and the step take the full logits, where the
-    engine's non-finite check sees it."""
+    engine's non-finite check sees it.
+
+    The non-finite verdict stays on the device: such a row's id is negative, and the runner reads
+    whether any is in the step's one token fetch (``declines_on_device``), then takes the full
+    logits for the step; checking here would be a second host wait every step."""
+
+    #: a negative id marks a row this head declines; the caller checks after its fetch
+    declines_on_device = True
 
     def __init__(self, head: nn.Linear, ops: FusedOps) -> None:
         self.head = head
         self.ops = ops
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        ids = self.ops.greedy_argmax(self.head(x))
-        if ids is None or bool((ids < 0).any()):
-            return None
-        return ids
+        """Each row's argmax, or -1 for a row with a non-finite logit; None: not this batch."""
+        return self.ops.greedy_argmax(self.head(x))
 
 
 # ---- the custom ops ------------------------------------------------------------------------------

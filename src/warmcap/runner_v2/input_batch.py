@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ import torch
 from warmcap.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from warmcap.runner_v2.block_table import BlockTables
 from warmcap.sampling_params import SamplingParams
+
+#: rows from which :meth:`InputBatch.append_sampled` scatters instead of storing row by row
+_SCATTER_MIN_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -40,6 +44,9 @@ class StepInputs:
     num_logits: np.ndarray  # int32 [R]
     draft_token_ids: list[list[int]]
     max_num_blocks: int
+    #: ``block_tables`` as host arrays (the same memory), when the builder has them: loading the
+    #: step buffers writes from these without a tensor round trip
+    host_block_tables: dict[str, np.ndarray] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -97,6 +104,16 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs))
         self.block_tables = BlockTables(group_names, max_num_reqs, max_blocks_per_req)
+        #: bumped whenever a row changes hands (a request added or removed): what is worked out per
+        #: batch composition (a step's rows, the sampling metadata) is reused until it changes
+        self.version = 0
+        # The latest step's index: (version, request ids in step order) -> persistent-batch rows.
+        self._index_key: tuple[int, list[str]] = (-1, [])
+        self._index_rows = np.zeros(0, dtype=np.int64)
+        # Rows whose settings may shape the logits (a penalty or min_tokens) and rows returning
+        # logprobs: with none in the batch (the common case) a step skips both checks.
+        self._shaping_rows: set[int] = set()
+        self._logprob_rows: set[int] = set()
 
     @property
     def num_reqs(self) -> int:
@@ -112,8 +129,15 @@ class InputBatch:
                 self.remove_request(req_id)
         for new in sched_out.scheduled_new_reqs:
             self.add_request(new)
-        for cached in sched_out.scheduled_cached_reqs:
-            self.update_request(cached)
+        # NOTE: one scalar store per running request: the scheduler hands a Python record per
+        # request anyway, and converting its values to an array for one scatter costs more than the
+        # stores below for any batch this runner serves (measured, benchmarks/bench_host_step.py).
+        row_of, computed, append = self.row_of, self.num_computed, self.block_tables.append
+        for c in sched_out.scheduled_cached_reqs:
+            row = row_of[c.req_id]
+            computed[row] = c.num_computed_tokens
+            if any(c.new_block_ids.values()):
+                append(row, c.new_block_ids)
         for req_id, drafts in sched_out.scheduled_spec_decode_tokens.items():
             if drafts:
                 row = self.row_of[req_id]
@@ -138,6 +162,7 @@ class InputBatch:
         self.block_tables.add_row(row, new.block_ids)
         self.req_ids[row] = new.req_id
         self.row_of[new.req_id] = row
+        self.version += 1
         return row
 
     def update_request(self, cached: CachedRequestData) -> None:
@@ -163,7 +188,10 @@ class InputBatch:
         self.frequency_penalty[row] = 0.0
         self.wants_logprobs[row] = False
         self.prompt_logprobs[row] = -1
+        self._shaping_rows.discard(row)
+        self._logprob_rows.discard(row)
         heapq.heappush(self._free_rows, row)
+        self.version += 1
         return row
 
     def append_tokens(self, req_id: str, tokens: Sequence[int]) -> None:
@@ -174,6 +202,31 @@ class InputBatch:
         start = int(self.num_tokens[row])
         self.token_ids[row, start : start + len(tokens)] = tokens
         self.num_tokens[row] = start + len(tokens)
+
+    def append_sampled(self, rows: np.ndarray, sampled: Sequence[Sequence[int]]) -> None:
+        """:meth:`append_tokens` for a whole step at once: ``sampled[i]`` after row ``rows[i]``'s
+        known tokens (one scatter; a decode step appends one token a row)."""
+        if len(rows) < _SCATTER_MIN_ROWS:
+            # A few rows: scalar stores cost less than setting up the fancy-indexed scatter.
+            for row, tokens in zip(rows.tolist(), sampled, strict=True):
+                if tokens:
+                    start = int(self.num_tokens[row])
+                    self.token_ids[row, start : start + len(tokens)] = tokens
+                    self.num_tokens[row] = start + len(tokens)
+            return
+        lens = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
+        flat = np.fromiter(chain.from_iterable(sampled), dtype=np.int64, count=int(lens.sum()))
+        if len(flat) == 0:
+            return
+        if len(flat) == len(rows) and lens.max() == 1:
+            self.token_ids[rows, self.num_tokens[rows]] = flat
+            self.num_tokens[rows] += 1
+            return
+        ends = np.cumsum(lens)
+        owners = np.repeat(rows, lens)
+        offsets = np.arange(len(flat)) - np.repeat(ends - lens, lens)
+        self.token_ids[owners, self.num_tokens[owners] + offsets] = flat
+        self.num_tokens[rows] += lens.astype(np.int32)
 
     def _set_sampling(self, row: int, params: SamplingParams) -> None:
         self.temperature[row] = params.temperature
@@ -187,6 +240,11 @@ class InputBatch:
         self.frequency_penalty[row] = params.frequency_penalty
         self.wants_logprobs[row] = params.logprobs is not None
         self.prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        shaping = params.min_tokens > 0 or params.repetition_penalty != 1.0
+        if shaping or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            self._shaping_rows.add(row)
+        if params.logprobs is not None:
+            self._logprob_rows.add(row)
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator()
@@ -200,6 +258,8 @@ class InputBatch:
         The j-th logits row of a request samples its output token ``done + j`` (``done`` = outputs
         so far), after the prompt, those outputs and its first j staged drafts.
         """
+        if not self._shaping_rows:
+            return logits
         rows = step.rows
         done = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         penalized, held = self._shaped(rows, done)
@@ -220,9 +280,15 @@ class InputBatch:
     def shapes_logits(self, step: StepInputs) -> bool:
         """Whether :meth:`process_logits` would change this step's logits (a penalty, or a stop
         token held back by ``min_tokens``)."""
+        if not self._shaping_rows:
+            return False
         rows = step.rows
         penalized, held = self._shaped(rows, self.num_tokens[rows] - self.num_prompt_tokens[rows])
         return bool((penalized | held).any())
+
+    def wants_logprobs_in(self, rows: np.ndarray) -> bool:
+        """Whether any of ``rows`` returns logprobs (so its step needs the full logits)."""
+        return bool(self._logprob_rows) and bool(self.wants_logprobs[rows].any())
 
     def _shaped(self, rows: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per row of ``rows``: whether a penalty applies, whether ``min_tokens`` holds stops back."""
@@ -247,28 +313,55 @@ class InputBatch:
 
     def prepare_inputs(self, sched_out: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled requests (in ``sched_out.num_scheduled_tokens`` order) into token
-        ids, positions, query offsets, context lengths, block tables and sampling indices."""
-        req_ids = list(sched_out.num_scheduled_tokens)
-        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_scheduled = np.fromiter(
-            sched_out.num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids)
-        )
-        qsl = np.zeros(len(req_ids) + 1, dtype=np.int32)
-        np.cumsum(num_scheduled, out=qsl[1:])
-        num_tokens = int(qsl[-1])
+        ids, positions, query offsets, context lengths, block tables and sampling indices.
 
+        Built from the step's index (the scheduled rows and their token counts) by array ops over
+        the persistent state; the rows are looked up again only when the scheduled requests or
+        the batch's composition changed. A decode step (one token a request, no drafts) takes the
+        short path: no repeats, every request samples its one token.
+        """
+        sched = sched_out.num_scheduled_tokens
+        req_ids = list(sched)
+        r = len(req_ids)
+        key_version, key_ids = self._index_key
+        if key_version == self.version and key_ids == req_ids:
+            rows = self._index_rows
+        else:
+            row_of = self.row_of
+            rows = np.fromiter((row_of[i] for i in req_ids), dtype=np.int64, count=r)
+            self._index_key, self._index_rows = (self.version, req_ids), rows
+        num_scheduled = np.fromiter(sched.values(), dtype=np.int32, count=r)
         computed = self.num_computed[rows]
-        offsets = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1], num_scheduled)
-        positions = np.repeat(computed, num_scheduled).astype(np.int64) + offsets
-        input_ids = self.token_ids[np.repeat(rows, num_scheduled), positions]
-        seq_lens = computed + num_scheduled
+        spec = sched_out.scheduled_spec_decode_tokens
+        total = int(num_scheduled.sum())
+        if total == r and not any(spec.values()):
+            # Decode: token i is request i's, at its computed length; it samples when that token
+            # is the last known one (always, outside warmup's prompt-chunk steps).
+            positions = computed.astype(np.int64)
+            qsl = np.arange(r + 1, dtype=np.int32)
+            seq_lens = computed + 1
+            input_ids = self.token_ids[rows, positions]
+            num_logits = (seq_lens >= self.num_tokens[rows]).astype(np.int32)
+            logits_indices = (
+                np.arange(r, dtype=np.int64)
+                if num_logits.all()
+                else np.flatnonzero(num_logits).astype(np.int64)
+            )
+            drafts: list[list[int]] = [[] for _ in range(r)]
+        else:
+            qsl = np.zeros(r + 1, dtype=np.int32)
+            np.cumsum(num_scheduled, out=qsl[1:])
+            offsets = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1], num_scheduled)
+            positions = np.repeat(computed, num_scheduled).astype(np.int64) + offsets
+            input_ids = self.token_ids[np.repeat(rows, num_scheduled), positions]
+            seq_lens = computed + num_scheduled
+            drafts = [spec.get(i, []) for i in req_ids]
+            num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int32, count=r)
+            samples = seq_lens >= self.num_tokens[rows] + num_drafts
+            num_logits = np.where(samples, 1 + num_drafts, 0).astype(np.int32)
+            logits_indices = _ranges_ending_at(qsl[1:], num_logits)
 
-        drafts = [sched_out.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
-        num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int32, count=len(req_ids))
-        samples = seq_lens >= self.num_tokens[rows] + num_drafts
-        num_logits = np.where(samples, 1 + num_drafts, 0).astype(np.int32)
-        logits_indices = _ranges_ending_at(qsl[1:], num_logits)
-
+        tables = {g: t.table[rows] for g, t in self.block_tables.tables.items()}
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -276,12 +369,13 @@ class InputBatch:
             query_start_loc=qsl,
             positions=positions,
             input_ids=input_ids,
-            seq_lens=seq_lens.astype(np.int32),
-            block_tables={g: t.gather(rows) for g, t in self.block_tables.tables.items()},
+            seq_lens=seq_lens.astype(np.int32, copy=False),
+            block_tables={g: torch.from_numpy(t) for g, t in tables.items()},
             logits_indices=logits_indices,
             num_logits=num_logits,
             draft_token_ids=drafts,
             max_num_blocks=self.block_tables.max_num_blocks(rows),
+            host_block_tables=tables,
         )
 
 

@@ -124,6 +124,10 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
+        # The sampling metadata of the latest composition (rows, batch version), reused until it
+        # changes (:meth:`sampling_metadata`).
+        self._sampling_key: tuple[int, bytes] | None = None
+        self._sampling_meta: SamplingMetadata | None = None
         self.drafter = drafter
         # Drafter passes may cover a step's tokens plus one sampled token per request.
         self.draft_buffers = (
@@ -209,9 +213,11 @@ class ModelRunner:
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return what each request produced."""
         self.batch.update(sched_out)
-        gone = sched_out.finished_req_ids | sched_out.preempted_req_ids
-        for handler in self.state_handlers:
-            handler.forget(gone)
+        handlers = self.state_handlers
+        if handlers:
+            gone = sched_out.finished_req_ids | sched_out.preempted_req_ids
+            for handler in handlers:
+                handler.forget(gone)
         self.num_steps += 1
         self.last_prompt_logprobs = {}
         connector = self.kv_connector
@@ -220,9 +226,10 @@ class ModelRunner:
         if sched_out.is_empty:
             return self._transfer_report(sched_out, ModelRunnerOutput())
         step = self.batch.prepare_inputs(sched_out)
-        num_drafts = [len(d) for d in step.draft_token_ids]
-        for handler in self.state_handlers:
-            handler.begin_step(step.req_ids, step.block_tables, num_drafts)
+        if handlers:
+            num_drafts = [len(d) for d in step.draft_token_ids]
+            for handler in handlers:
+                handler.begin_step(step.req_ids, step.block_tables, num_drafts)
         # A captured graph that fits replays the step; otherwise it runs eagerly.
         replay = self.graphs.replay_step(step) if self.graphs is not None else None
         if replay is None:
@@ -243,11 +250,11 @@ class ModelRunner:
         # From the hidden states of every prompt token, whichever way the step ran (a replayed
         # graph returns them all too); before the drafter, whose passes reuse buffers.
         self.last_prompt_logprobs = self._prompt_logprobs(hidden, step)
-        seq_lens = step.seq_lens.tolist()
-        for handler in self.state_handlers:
-            handler.finish_step(step.req_ids, seq_lens, sampled)
-        for req_id, tokens in zip(step.req_ids, sampled, strict=True):
-            self.batch.append_tokens(req_id, tokens)
+        if handlers:
+            seq_lens = step.seq_lens.tolist()
+            for handler in handlers:
+                handler.finish_step(step.req_ids, seq_lens, sampled)
+        self.batch.append_sampled(step.rows, sampled)
         drafts = self._propose(sched_out, step, sampled, hidden)
         if connector is not None:
             connector.wait_for_save()
@@ -255,9 +262,9 @@ class ModelRunner:
             req_ids=step.req_ids,
             sampled_token_ids=sampled,
             draft_token_ids=drafts,
-            num_draft_tokens={
-                r: len(d) for r, d in zip(step.req_ids, step.draft_token_ids, strict=True) if d
-            },
+            num_draft_tokens={r: len(d) for r, d in zip(step.req_ids, step.draft_token_ids, strict=True) if d}
+            if sched_out.scheduled_spec_decode_tokens
+            else {},
         )
         return self._transfer_report(sched_out, output)
 
@@ -417,37 +424,55 @@ class ModelRunner:
     # ---- sampling --------------------------------------------------------------------------------
 
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling settings for logits rows taken from persistent-batch ``rows``."""
+        """Sampling settings for logits rows taken from persistent-batch ``rows``; built when the
+        rows or the batch's composition change, reused as is by every step in between."""
         b = self.batch
-        return SamplingMetadata.from_rows(
+        key = (b.version, rows.tobytes())
+        if self._sampling_key == key and self._sampling_meta is not None:
+            return self._sampling_meta
+        meta = SamplingMetadata.from_rows(
             temperature=b.temperature[rows],
             top_k=b.top_k[rows],
             top_p=b.top_p[rows],
             min_p=b.min_p[rows],
             generators=[b.generators[i] for i in rows.tolist()],
+            device=self.device,
         )
+        self._sampling_key, self._sampling_meta = key, meta
+        return meta
 
     def _sample(self, hidden: torch.Tensor, step: StepInputs) -> list[list[int]]:
         n = len(step.logits_indices)
         if n == 0:
             return [[] for _ in step.req_ids]
-        rows = hidden[self.buffers.logits_indices[:n]]
-        samples = (step.num_logits > 0).tolist()
-        meta = self.sampling_metadata(np.repeat(step.rows, step.num_logits))
-        drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]
+        # Every token samples (a decode step): the logits rows are the first n hidden rows.
+        rows = hidden[:n] if n == step.num_tokens else hidden[self.buffers.logits_indices[:n]]
+        every = n == step.num_reqs and n == step.num_tokens
+        meta = self.sampling_metadata(step.rows if every else np.repeat(step.rows, step.num_logits))
+        samples = None if every else (step.num_logits > 0).tolist()
+        # Drafts exist only where a request runs more than one token.
+        drafts: list[list[int]] = []
+        if samples is not None and step.max_query_len > 1:
+            drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]
+        produced = None
         greedy = self._greedy_argmax(rows, step, meta)
-        finite: list[torch.Tensor] = []
-        result: torch.Tensor | Verified
         if greedy is not None:
             # No full logits this step: the engine's logprobs and non-finite check see none (the
             # screen refuses non-finite rows, which then take the full path below).
             self.last_logits = None
             result = greedy_verify_on_device(greedy, drafts) if any(drafts) else greedy
-        else:
+            # A head that declines rows on the device (a negative id: a non-finite row) says so
+            # in the step's one fetch; the step then takes the full logits instead.
+            declined = (greedy < 0).any() if getattr(self.greedy_head, "declines_on_device", False) else None
+            produced, flag = self._fetch(result, declined)
+            if flag:
+                produced = None
+            self.last_logits_finite = None
+        if produced is None:
             logits = self.model.compute_logits(rows)
             self.last_logits = logits
             # NaN or Inf anywhere in a row makes its sum non-finite: one reduction for the batch.
-            finite = [torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()]
+            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()
             if self.logits_hook is not None:
                 self.logits_hook(step.req_ids, step.num_logits, logits)
             logits = self.batch.process_logits(logits, step)
@@ -457,7 +482,10 @@ class ModelRunner:
                 result = greedy_verify_on_device(row_argmax(logits), drafts)
             else:
                 result = self._verify_random(logits, meta, step, drafts)
-        produced = self._fetch(result, finite)
+            produced, flag = self._fetch(result, finite)
+            self.last_logits_finite = bool(flag)
+        if samples is None:
+            return produced
         it = iter(produced)
         return [next(it) if s else [] for s in samples]
 
@@ -484,14 +512,17 @@ class ModelRunner:
             token_ids=b.token_ids,
         )
 
-    def _fetch(self, result: torch.Tensor | Verified, finite: list[torch.Tensor]) -> list[list[int]]:
-        """The step's tokens on the host, with the finite flag, in one copy and one wait."""
+    def _fetch(
+        self, result: torch.Tensor | Verified, flag: torch.Tensor | None
+    ) -> tuple[list[list[int]], bool | None]:
+        """The step's tokens on the host, with a device flag (None: none), in one copy and one
+        wait."""
         parts = result.parts if isinstance(result, Verified) else [result]
-        host = self.host_copy.fetch([*parts, *finite])
-        self.last_logits_finite = bool(host[-1]) if finite else None
+        host = self.host_copy.fetch([*parts, flag] if flag is not None else parts)
+        value = bool(host[-1]) if flag is not None else None
         if isinstance(result, Verified):
-            return Verified.emit(host[0], host[1])
-        return [[t] for t in host[0].tolist()]
+            return Verified.emit(host[0], host[1]), value
+        return [[t] for t in host[0].tolist()], value
 
     def _greedy_argmax(
         self, rows: torch.Tensor, step: StepInputs, meta: SamplingMetadata
@@ -502,7 +533,7 @@ class ModelRunner:
         head = self.greedy_head
         if head is None or self.logits_hook is not None or not meta.all_greedy:
             return None
-        if self.batch.wants_logprobs[step.rows].any() or self.batch.shapes_logits(step):
+        if self.batch.wants_logprobs_in(step.rows) or self.batch.shapes_logits(step):
             return None
         return head.argmax(rows)
 

@@ -60,18 +60,25 @@ class SamplingMetadata:
         top_p: torch.Tensor | np.ndarray,
         min_p: torch.Tensor | np.ndarray,
         generators: list[torch.Generator | None],
+        device: torch.device | str | None = None,
     ) -> SamplingMetadata:
         """From host arrays (the persistent batch's numpy rows, or CPU tensors); the flags are
-        worked out on the host, so building the metadata never reads a device."""
+        worked out on the host, so building the metadata never reads a device. ``device``: where
+        the settings are used (a CUDA runner's): they go there once, through page-locked memory
+        without blocking, when the metadata is built (the runner reuses it while the batch's
+        composition holds), not on every step that samples."""
         temp, k, p, mp = (
             a if isinstance(a, np.ndarray) else a.numpy() for a in (temperature, top_k, top_p, min_p)
         )
         random = temp > 0
+        tensors = [torch.as_tensor(a) for a in (temp, k, p, mp)]
+        if device is not None and torch.device(device).type != "cpu" and random.any():
+            tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
         return cls(
-            temperature=torch.as_tensor(temp),
-            top_k=torch.as_tensor(k),
-            top_p=torch.as_tensor(p),
-            min_p=torch.as_tensor(mp),
+            temperature=tensors[0],
+            top_k=tensors[1],
+            top_p=tensors[2],
+            min_p=tensors[3],
             generators=generators,
             all_greedy=not bool(random.any()),
             any_top_k=bool(((k > 0) & random).any()),

@@ -1,12 +1,15 @@
 """Slot mapping: where each scheduled token's K/V goes in the paged cache.
 
 Slot of position ``p`` of row ``r`` = ``table[r, p // bs] * bs + p % bs``; the tail of the output
-buffer past the real tokens is PAD (-1). The torch version is the reference and the CPU path; on
-CUDA the Triton kernel in :mod:`warmcap.runner_v2.triton_slot_mapping` computes the same thing.
+buffer past the real tokens is PAD (-1). The torch version is the reference; the CPU step computes
+it with numpy over the buffers' host views (:func:`host_slot_mapping`: a few array ops, a fraction
+of the torch ops' dispatch cost); on CUDA the Triton kernel in
+:mod:`warmcap.runner_v2.triton_slot_mapping` computes the same thing on the device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from warmcap.contracts import PAD_SLOT_ID
@@ -47,3 +50,24 @@ def slot_mapping(
 
         return triton_slot_mapping(block_table, query_start_loc, positions, block_size, out)
     return compute_slot_mapping(block_table, query_start_loc, positions, block_size, out)
+
+
+def host_slot_mapping(
+    block_table: np.ndarray,
+    query_lens: np.ndarray | None,
+    positions: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> np.ndarray:
+    """:func:`compute_slot_mapping` on host arrays: ``block_table`` int32 ``[R, W]``, ``query_lens``
+    ``[R]`` (row ``r`` owns the next ``query_lens[r]`` tokens; None: exactly one token a row, as in
+    a decode step), ``positions`` int64 ``[T]``; fills ``out`` (int64 ``[T_padded]``)."""
+    num_tokens = positions.shape[0]
+    if query_lens is None:
+        rows = np.arange(num_tokens)
+    else:
+        rows = np.repeat(np.arange(block_table.shape[0]), query_lens)
+    blocks = block_table[rows, positions // block_size]
+    np.add(blocks * np.int64(block_size), positions % block_size, out=out[:num_tokens])
+    out[num_tokens:] = PAD_SLOT_ID
+    return out

@@ -7,6 +7,12 @@ belong to the first padded row.
 
 The buffers hold one row more than ``max_num_reqs``: the spare row owns the padded tokens of a
 batch that already has ``max_num_reqs`` requests (``query_start_loc[R] == num_tokens``).
+
+Loading is written once, in numpy, into each buffer's *host side*: on CPU that is a numpy view of
+the buffer itself (no copy at all; a numpy op costs a fraction of a torch op's dispatch, which is
+most of a small step's host time), on CUDA a page-locked staging twin, uploaded with one
+non-blocking copy per buffer (a copy from pageable memory would wait for the stream). On CUDA the
+slot mappings are then computed on the device (the Triton kernel); on CPU by numpy over the views.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 
 from warmcap.contracts import PAD_SLOT_ID, AttentionMetadata
 from warmcap.runner_v2.input_batch import StepInputs
-from warmcap.runner_v2.slot_mapping import slot_mapping
+from warmcap.runner_v2.slot_mapping import host_slot_mapping, slot_mapping
 
 
 class StepBuffers:
@@ -55,9 +61,37 @@ class StepBuffers:
         self.slot_mappings = {
             g: torch.full((max_num_tokens,), PAD_SLOT_ID, dtype=i64, device=device) for g in group_block_sizes
         }
-        # Host mirrors so backends can plan without a device sync.
-        self.query_start_loc_cpu = torch.zeros(rows + 1, dtype=i32)
-        self.seq_lens_cpu = torch.zeros(rows, dtype=i32)
+        #: whether the buffers live apart from the host (CUDA): loads go through pinned staging
+        self.staged = self.device.type != "cpu"
+        pin = self.staged and torch.cuda.is_available()
+        # Host mirrors so backends can plan without a device sync (page-locked where they are also
+        # the staging of their device twin).
+        self.query_start_loc_cpu = torch.zeros(rows + 1, dtype=i32, pin_memory=pin)
+        self.seq_lens_cpu = torch.zeros(rows, dtype=i32, pin_memory=pin)
+        # The host side of every buffer a load fills (module docstring).
+        if self.staged:
+            self._stage_input_ids = torch.zeros(max_num_tokens, dtype=i64, pin_memory=pin)
+            self._stage_positions = torch.zeros(max_num_tokens, dtype=i64, pin_memory=pin)
+            self._stage_logits = torch.zeros(max_num_tokens, dtype=i64, pin_memory=pin)
+            self._stage_tables = {
+                g: torch.zeros(rows, max_blocks_per_req, dtype=i32, pin_memory=pin) for g in group_block_sizes
+            }
+            host_ids, host_pos = self._stage_input_ids.numpy(), self._stage_positions.numpy()
+            host_logits = self._stage_logits.numpy()
+            host_tables = {g: t.numpy() for g, t in self._stage_tables.items()}
+            host_qsl, host_seq = self.query_start_loc_cpu.numpy(), self.seq_lens_cpu.numpy()
+        else:
+            host_ids, host_pos = self.input_ids.numpy(), self.positions.numpy()
+            host_logits = self.logits_indices.numpy()
+            host_tables = {g: t.numpy() for g, t in self.block_tables.items()}
+            host_qsl, host_seq = self.query_start_loc.numpy(), self.seq_lens.numpy()
+            self._slots_np = {g: t.numpy() for g, t in self.slot_mappings.items()}
+        self._h_input_ids, self._h_positions, self._h_logits = host_ids, host_pos, host_logits
+        self._h_tables, self._h_qsl, self._h_seq_lens = host_tables, host_qsl, host_seq
+        self._qsl_cpu = self.query_start_loc_cpu.numpy()
+        self._seq_lens_cpu = self.seq_lens_cpu.numpy()
+        #: the latest upload from the staging (CUDA): the staging is not rewritten before it is done
+        self._uploaded: torch.cuda.Event | None = None
         self.num_tokens = 0
         self.num_reqs = 0
         self.num_tokens_padded = 0
@@ -74,21 +108,26 @@ class StepBuffers:
         num_reqs_padded: int | None = None,
     ) -> None:
         """Load a step, padded to ``num_tokens_padded`` tokens and ``num_reqs_padded`` rows (default:
-        no padding), then compute every group's slot mapping on the device."""
+        no padding), then compute every group's slot mapping."""
         self.load_layout(
             query_start_loc=step.query_start_loc,
             positions=step.positions,
             seq_lens=step.seq_lens,
-            block_tables=step.block_tables,
+            block_tables=step.block_tables if step.host_block_tables is None else step.host_block_tables,
             num_tokens_padded=num_tokens_padded,
             num_reqs_padded=num_reqs_padded,
+            max_query_len=step.max_query_len,
         )
         t, tp = self.num_tokens, self.num_tokens_padded
-        nb = self.device.type == "cuda"
-        self.input_ids[:t].copy_(torch.from_numpy(step.input_ids), non_blocking=nb)
-        self.input_ids[t:tp].zero_()
         n = len(step.logits_indices)
-        self.logits_indices[:n].copy_(torch.from_numpy(step.logits_indices), non_blocking=nb)
+        ids, logits = self._h_input_ids, self._h_logits
+        ids[:t] = step.input_ids
+        ids[t:tp] = 0
+        logits[:n] = step.logits_indices
+        if self.staged:
+            self.input_ids[:tp].copy_(self._stage_input_ids[:tp], non_blocking=True)
+            self.logits_indices[:n].copy_(self._stage_logits[:n], non_blocking=True)
+            self._mark_uploaded()
         self.num_logits = n
 
     def load_layout(
@@ -97,13 +136,15 @@ class StepBuffers:
         query_start_loc: np.ndarray,
         positions: np.ndarray,
         seq_lens: np.ndarray,
-        block_tables: Mapping[str, torch.Tensor],
+        block_tables: Mapping[str, torch.Tensor | np.ndarray],
         num_tokens_padded: int | None = None,
         num_reqs_padded: int | None = None,
+        max_query_len: int | None = None,
     ) -> None:
         """Load everything but the token ids: rows (``query_start_loc`` [R+1], ``seq_lens`` [R],
         host ``block_tables`` [R, W] per group), ``positions`` [T], padding, and the slot mappings.
-        Drafter passes use it directly (their token ids are device tensors)."""
+        Drafter passes use it directly (their token ids are device tensors). ``max_query_len``: the
+        longest row's tokens when the caller knows it (saves a pass over ``query_start_loc``)."""
         r = len(query_start_loc) - 1
         t = int(query_start_loc[-1])
         tp = t if num_tokens_padded is None else num_tokens_padded
@@ -117,34 +158,65 @@ class StepBuffers:
             raise ValueError(
                 f"padding {t} -> {tp} tokens needs a padded row to own them (num_reqs_padded > {r})"
             )
-        nb = self.device.type == "cuda"
-        self.positions[:t].copy_(torch.from_numpy(positions), non_blocking=nb)
-        self.positions[t:tp].zero_()
-
-        qsl = self.query_start_loc_cpu
-        qsl[: r + 1].copy_(torch.from_numpy(query_start_loc))
+        self._wait_for_upload()
+        pos, qsl, seq = self._h_positions, self._h_qsl, self._h_seq_lens
+        pos[:t] = positions
+        pos[t:tp] = 0
+        qsl[: r + 1] = query_start_loc
         qsl[r + 1 : rp + 1] = tp
-        self.seq_lens_cpu[:r].copy_(torch.from_numpy(seq_lens))
-        self.seq_lens_cpu[r:rp] = 0
-        self.query_start_loc[: rp + 1].copy_(qsl[: rp + 1], non_blocking=nb)
-        self.seq_lens[:rp].copy_(self.seq_lens_cpu[:rp], non_blocking=nb)
-
-        for g, table in self.block_tables.items():
-            table[:r].copy_(block_tables[g], non_blocking=nb)
-            table[r:rp].zero_()
-            slot_mapping(
-                table[:r],
-                self.query_start_loc[: r + 1],
-                self.positions[:t],
-                self.group_block_sizes[g],
-                self.slot_mappings[g][:tp],
-            )
-        query_lens = np.diff(query_start_loc)
+        seq[:r] = seq_lens
+        seq[r:rp] = 0
+        if self.staged:
+            # qsl and seq are the pinned host mirrors themselves: no second host copy.
+            self.positions[:tp].copy_(self._stage_positions[:tp], non_blocking=True)
+            self.query_start_loc[: rp + 1].copy_(self.query_start_loc_cpu[: rp + 1], non_blocking=True)
+            self.seq_lens[:rp].copy_(self.seq_lens_cpu[:rp], non_blocking=True)
+        else:
+            self._qsl_cpu[: rp + 1] = qsl[: rp + 1]
+            self._seq_lens_cpu[:rp] = seq[:rp]
+        query_lens = None
+        if max_query_len is None or max_query_len > 1 or t != r:
+            query_lens = np.diff(qsl[: r + 1])
+            max_query_len = int(query_lens.max(initial=0))
+        # None: one token a row (a decode step), the slot mapping's cheap case.
+        lens = None if t == r and max_query_len <= 1 else query_lens
+        for g, host in self._h_tables.items():
+            rows = block_tables[g]
+            host[:r] = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+            host[r:rp] = 0
+            if self.staged:
+                table = self.block_tables[g]
+                table[:rp].copy_(self._stage_tables[g][:rp], non_blocking=True)
+                slot_mapping(
+                    table[:r],
+                    self.query_start_loc[: r + 1],
+                    self.positions[:t],
+                    self.group_block_sizes[g],
+                    self.slot_mappings[g][:tp],
+                )
+            else:
+                host_slot_mapping(host[:r], lens, pos[:t], self.group_block_sizes[g], self._slots_np[g][:tp])
         self.num_tokens, self.num_reqs = t, r
         self.num_tokens_padded, self.num_reqs_padded = tp, rp
         self.num_logits = 0
-        self.max_query_len = max(int(query_lens.max(initial=0)), tp - t)
-        self.max_seq_len = int(np.max(seq_lens, initial=0))
+        self.max_query_len = max(max_query_len, tp - t)
+        self.max_seq_len = int(seq[:r].max(initial=0))
+        if self.staged:
+            self._mark_uploaded()
+
+    def _wait_for_upload(self) -> None:
+        """Before the staging is rewritten: the copies reading it must have run (a no-op when the
+        step's token fetch already waited for the stream, which is every synchronous step)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
+
+    def _mark_uploaded(self) -> None:
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._uploaded = event
 
     def attn_metadata(self, *, num_columns: int | None = None) -> dict[str, AttentionMetadata]:
         """Per-group metadata over the loaded (padded) step. ``num_columns`` trims the block tables
