@@ -67,5 +67,9 @@ class NgramDrafter(BaseDrafter):
         if not num.any():
             return DraftTokens.none(ctx.device)
         return DraftTokens.from_rows(
-            view.req_ids, num, torch.from_numpy(tokens).to(ctx.device), view.next_position + 1
+            view.req_ids,
+            num,
+            torch.from_numpy(tokens).to(ctx.device),
+            view.next_position + 1,
+            host_token_ids=tokens,
         )

@@ -198,6 +198,8 @@ class DraftTokens:
     token_ids: torch.Tensor
     #: int64 [R, K] on the device: the position each draft takes in the next step (-1 past the drafts)
     positions: torch.Tensor
+    #: ``token_ids`` on the host as well, when the strategy made them there (n-gram): read for free
+    host_token_ids: np.ndarray | None = None
 
     @classmethod
     def none(cls, device: torch.device) -> DraftTokens:
@@ -212,9 +214,12 @@ class DraftTokens:
         num_drafts: np.ndarray,
         token_ids: torch.Tensor,
         first_position: np.ndarray,
+        *,
+        host_token_ids: np.ndarray | None = None,
     ) -> DraftTokens:
         """Drafts ``token_ids`` [R, K] (-1 padded) of requests whose first draft sits at
-        ``first_position`` [R]; requests with no draft are dropped (on the host: ``num_drafts``)."""
+        ``first_position`` [R]; requests with no draft are dropped (on the host: ``num_drafts``).
+        ``host_token_ids``: the same drafts on the host, when they were made there."""
         keep = np.flatnonzero(num_drafts > 0)
         num = num_drafts[keep].astype(np.int64)
         k = token_ids.shape[1] if token_ids.dim() == 2 else 0
@@ -223,6 +228,7 @@ class DraftTokens:
             return cls.none(device)
         if keep.size != len(req_ids):
             token_ids = token_ids[torch.from_numpy(keep).to(device)]
+            host_token_ids = host_token_ids[keep] if host_token_ids is not None else None
         cols = np.arange(k, dtype=np.int64)
         positions = np.where(cols[None, :] < num[:, None], first_position[keep, None] + cols[None, :], -1)
         return cls(
@@ -230,6 +236,7 @@ class DraftTokens:
             num,
             token_ids,
             torch.from_numpy(positions).to(device, non_blocking=True),
+            host_token_ids,
         )
 
     @property
@@ -237,8 +244,9 @@ class DraftTokens:
         return len(self.req_ids)
 
     def to_lists(self) -> dict[str, list[int]]:
-        """The drafts per request on the host (one device read; what the scheduler records)."""
+        """The drafts per request on the host (what the scheduler records): one device read, none
+        when the strategy made them on the host."""
         if not self.req_ids:
             return {}
-        rows = self.token_ids.cpu().tolist()
+        rows = (self.host_token_ids if self.host_token_ids is not None else self.token_ids.cpu()).tolist()
         return {r: row[:n] for r, row, n in zip(self.req_ids, rows, self.num_drafts.tolist(), strict=True)}
