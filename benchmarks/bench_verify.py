@@ -92,15 +92,15 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         return honest(self, *a, **k)
 
     ModelRunner.forward_batch = counted  # type: ignore[method-assign]
-    drafter = engine.runner.drafter
-    if drafter is not None:
-        honest_pass = drafter.forward_pass
+    draft_model = engine.runner.drafter.draft_model if engine.runner.drafter is not None else None
+    if draft_model is not None:
+        honest_pass = draft_model.forward_pass
 
         def counted_pass(*a, **k):  # type: ignore[no-untyped-def]
             forwards["drafter"] += 1
             return honest_pass(*a, **k)
 
-        drafter.forward_pass = counted_pass  # type: ignore[method-assign]
+        draft_model.forward_pass = counted_pass  # type: ignore[method-assign]
     with _HostReads() as reads:
         verify_graphs(startup.capturer, graphs, engine.kv_cache_manager)
     forwards.update(target=0, drafter=0)

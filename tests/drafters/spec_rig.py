@@ -91,7 +91,8 @@ class SpecRig:
 
         def propose(ctx):
             drafts = inner(ctx)
-            for req_id, d in drafts.items():
+            # The drafts come back on the device; the spy reads them (the runner reads them too).
+            for req_id, d in drafts.to_lists().items():
                 row = ctx.view.rows[ctx.view.req_ids.index(req_id)]
                 tokens = ctx.token_ids[row, : ctx.num_tokens[row]].tolist()
                 self.proposals.append((req_id, tokens, list(d)))

@@ -124,9 +124,10 @@ def _state(capturer: GraphCapturer, metas: dict) -> dict[str, torch.Tensor]:
             if isinstance(value, torch.nn.Module):
                 out |= {f"drafter.{attr}.{n}": t.clone() for n, t in value.state_dict().items()}
     holders = {"buffers": runner.buffers}
-    if runner.draft_buffers is not None:
-        holders["drafts"] = runner.draft_buffers.buffers
-        out |= {f"features.{p}": t.clone() for p, t in runner.draft_buffers.features.items()}
+    if runner.draft_executor is not None:
+        statics = runner.draft_executor.buffers
+        holders["drafts"] = statics.buffers
+        out |= {f"features.{p}": t.clone() for p, t in statics.features.items()}
     for prefix, holder in holders.items():
         for name, value in vars(holder).items():
             if isinstance(value, torch.Tensor):

@@ -221,9 +221,10 @@ def test_a_producer_runs_its_drafters_prompt_pass_and_proposes_nothing(pair, mon
     proposals: list[dict] = []
     propose = p.drafter.propose
 
-    def spy(*args: object) -> dict:
-        proposals.append(propose(*args))
-        return proposals[-1]
+    def spy(*args: object) -> object:
+        drafts = propose(*args)
+        proposals.append(drafts.to_lists())
+        return drafts
 
     monkeypatch.setattr(p.drafter, "propose", spy)
     before = p.spec_metrics.num_drafts, p.spec_metrics.num_draft_tokens

@@ -4,8 +4,10 @@ steps, each fed the previous step's draft.
 
 What differs per method is the strategy a subclass supplies: the prefill's spans, tokens and
 features (:meth:`AutoregressiveDrafter.prefill_inputs`), where draft i's step sits relative to the
-sampled token (``step_offset``), what a step reads besides its draft token (:meth:`step_features`)
-and how an output row becomes a draft token (``greedy_drafts``).
+sampled token (``step_offset``) and what a step reads besides its draft token
+(:meth:`step_features`); and the model it runs (``draft_model``), whose ``greedy_drafts`` turns an
+output row into a draft token. Drafts stay on the device: each step's column is written into one
+``[R, k]`` tensor by device indexing, with row counts known on the host.
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ from warmcap.drafters.base import (
     DRAFT_DECODE,
     DRAFT_PREFILL,
     BaseDrafter,
-    DraftGraphShape,
-    autoregressive_graph_shapes,
 )
-from warmcap.drafters.paged import DraftContext, DraftPass, collect_drafts, num_drafts_allowed
+from warmcap.drafters.paged import DraftContext, DraftPass, DraftTokens, num_drafts_allowed
+from warmcap.runner_v2.collaborators import DraftModel
 
 
 class AutoregressiveDrafter(BaseDrafter):
@@ -31,6 +32,7 @@ class AutoregressiveDrafter(BaseDrafter):
 
     #: draft i (i = 1 .. k-1) is fed at position ``P + i + step_offset``, ``P`` the sampled token's
     step_offset: ClassVar[int]
+    draft_model: DraftModel
 
     @abstractmethod
     def prefill_inputs(self, ctx: DraftContext) -> tuple[DraftPass, torch.Tensor, torch.Tensor | None]:
@@ -38,58 +40,55 @@ class AutoregressiveDrafter(BaseDrafter):
         hidden-state features (None when the pass reads tokens only). Its last output row per
         request drafts token 1."""
 
-    @abstractmethod
-    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
-        """The draft token of each output row (every pass of this loop drafts)."""
-
     def step_features(self, output: torch.Tensor) -> torch.Tensor | None:
         """What the next step reads besides its draft token, given this pass's rows of the
         requests still drafting: nothing by default."""
         return None
 
-    def graph_shapes(self) -> list[DraftGraphShape]:
-        return autoregressive_graph_shapes(self.num_speculative_tokens)
-
-    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
+    def propose(self, ctx: DraftContext) -> DraftTokens:
         view = ctx.view
-        if not view.req_ids:
-            return {}
         device = ctx.device
+        if not view.req_ids:
+            return DraftTokens.none(device)
+        run, model = self.executor.run, self.draft_model
         budget = num_drafts_allowed(view, self.num_speculative_tokens, ctx.max_model_len)
         prefill, input_ids, features = self.prefill_inputs(ctx)
-        out = ctx.run_pass(
-            prefill,
-            phase=DRAFT_PREFILL,
-            log_phase=DRAFT_PREFILL,
-            input_ids=input_ids,
-            features=features,
+        out = run(
+            prefill, phase=DRAFT_PREFILL, log_phase=DRAFT_PREFILL, input_ids=input_ids, features=features
         )
         # The prefill writes every request's new tokens; only those with budget left draft.
-        active = np.flatnonzero(budget > 0)
-        if active.size == 0:
-            return {}
-        out = out[torch.from_numpy(prefill.last_token_index()[active]).to(device)]
-        draft = self.greedy_drafts(DRAFT_PREFILL, out)
-        drafts = [draft]
+        drafting = np.flatnonzero(budget > 0)
+        if drafting.size == 0:
+            return DraftTokens.none(device)
+        out = out[torch.from_numpy(prefill.last_token_index()[drafting]).to(device)]
+        draft = model.greedy_drafts(DRAFT_PREFILL, out)
+        tokens = torch.full(
+            (drafting.size, self.num_speculative_tokens), -1, dtype=torch.int64, device=device
+        )
+        tokens[:, 0] = draft
+        # ``active``: the view's requests still drafting; ``alive``: their rows of ``tokens``.
+        active, alive = drafting, np.arange(drafting.size)
         for i in range(1, self.num_speculative_tokens):
             keep = budget[active] > i
             if not keep.any():
                 break
             mask = torch.from_numpy(keep).to(device)
-            active, out, draft = active[keep], out[mask], draft[mask]
+            active, alive, out, draft = active[keep], alive[keep], out[mask], draft[mask]
             step = DraftPass.spans(
                 [view.req_ids[j] for j in active],
                 view.rows[active],
                 view.next_position[active] + i + self.step_offset,
                 np.ones(active.size, dtype=np.int64),
             )
-            out = ctx.run_pass(
+            out = run(
                 step,
                 phase=DRAFT_DECODE,
                 log_phase=f"draft_step_{i}",
                 input_ids=draft,
                 features=self.step_features(out),
             )
-            draft = self.greedy_drafts(DRAFT_DECODE, out)
-            drafts.append(draft)
-        return collect_drafts(view.req_ids, budget, drafts)
+            draft = model.greedy_drafts(DRAFT_DECODE, out)
+            tokens[torch.from_numpy(alive).to(device), i] = draft
+        return DraftTokens.from_rows(
+            [view.req_ids[j] for j in drafting], budget[drafting], tokens, view.next_position[drafting] + 1
+        )

@@ -1,22 +1,28 @@
-"""The drafter base class: which KV groups a drafter writes, how far ahead, and what it proposes."""
+"""The drafter base classes: which KV groups a drafter writes, how far ahead, and what it proposes.
+
+A drafter is a proposal strategy (:class:`BaseDrafter`, the runner's
+:class:`~warmcap.runner_v2.collaborators.Drafter`) and, unless it drafts without a model, the
+model its passes run (:class:`PagedDraftModel`, a
+:class:`~warmcap.runner_v2.collaborators.DraftModel`). The interfaces are declared once, in
+``runner_v2/collaborators.py``; these classes implement them. The strategy runs its passes through
+the executor it is bound to and never sees the runner.
+"""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
+
+from torch import nn
 
 from warmcap.core.kv_spec import group_layers
 from warmcap.errors import ConfigError
-from warmcap.runner_v2.collaborators import DRAFT_DECODE, DRAFT_PREFILL, DraftGraphShape
+from warmcap.runner_v2.collaborators import DRAFT_DECODE, DRAFT_PREFILL, Drafter, DraftGraphShape, DraftModel
 from warmcap.spec_methods import spec_method
 
 if TYPE_CHECKING:
-    import torch
-
     from warmcap.config import EngineConfig
-    from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup, KVSpec
-    from warmcap.runner_v2.draft_context import DraftContext, DraftKV
+    from warmcap.runner_v2.draft_context import DraftPasses
 
 DRAFT_GROUP_PREFIX = "draft."
 
@@ -26,6 +32,7 @@ __all__ = [
     "DRAFT_PREFILL",
     "BaseDrafter",
     "DraftGraphShape",
+    "PagedDraftModel",
     "autoregressive_graph_shapes",
 ]
 
@@ -38,20 +45,49 @@ def autoregressive_graph_shapes(num_speculative_tokens: int) -> list[DraftGraphS
     return shapes
 
 
-class BaseDrafter(ABC):
-    """A speculative-decoding proposer: the base every drafter derives from. It satisfies the
-    runner's :class:`warmcap.runner_v2.collaborators.Drafter` protocol, the one drafter type the
-    runner and graph capture know.
+class PagedDraftModel(DraftModel):
+    """A draft model over its own ``draft.``-prefixed paged KV groups. Subclasses give its layers'
+    KV specs (:meth:`layer_specs`) and its pass (``forward_pass``); the strategy that builds it
+    gives the passes it runs per step (``shapes``)."""
+
+    def __init__(self, shapes: list[DraftGraphShape]) -> None:
+        self._shapes = list(shapes)
+        #: the model's KV groups, set by ``kv_groups``
+        self._groups: list[KVCacheGroup] = []
+
+    def layer_specs(self, block_size: int) -> dict[str, KVSpec]:
+        """KV spec per layer name of the module it runs (unprefixed)."""
+        raise NotImplementedError
+
+    def graph_shapes(self) -> list[DraftGraphShape]:
+        return list(self._shapes)
+
+    def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
+        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in self.layer_specs(block_size).items()}
+        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
+        return list(self._groups)
+
+    def graph_groups(self) -> list[KVCacheGroup]:
+        return list(self._groups)
+
+    def modules(self) -> list[nn.Module]:
+        # Its modules are its module attributes (a head, a draft LM).
+        return [v for v in vars(self).values() if isinstance(v, nn.Module)]
+
+
+class BaseDrafter(Drafter):
+    """A speculative-decoding proposal strategy: the base every drafter derives from.
 
     Subclasses set ``method``; its entry in ``spec_methods.METHODS`` says how many KV slots past a
     request's scheduled tokens the drafter writes (``lookahead``). That number must equal the
     lookahead the KV cache manager reserves (``EngineConfig.num_lookahead_tokens``), otherwise
-    drafter writes leave the request's blocks.
+    drafter writes leave the request's blocks. A drafter with a model sets ``draft_model`` in its
+    constructor; the runner binds it to its executor (:meth:`bind`) before the first step.
     """
 
     method: ClassVar[str]
-    #: target layers whose input hidden states the drafter reads (``ForwardContext`` aux layers)
     aux_layers: tuple[int, ...] = ()
+    draft_model: DraftModel | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         spec = config.speculative
@@ -63,8 +99,7 @@ class BaseDrafter(ABC):
         self.num_speculative_tokens = config.num_speculative_tokens
         k = self.num_speculative_tokens
         self.lookahead = spec_method(self.method).lookahead(k) if k else 0
-        #: the drafter's own KV groups, set by ``kv_groups`` (empty for drafters without KV)
-        self._groups: list[KVCacheGroup] = []
+        self._executor: DraftPasses | None = None
         if self.lookahead != config.num_lookahead_tokens:
             raise ConfigError(
                 f"{self.method} writes {self.lookahead} KV slots past the scheduled tokens but the engine "
@@ -72,63 +107,22 @@ class BaseDrafter(ABC):
             )
 
     def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
-        """The drafter's own KV groups (``is_drafter=True``, names prefixed ``draft.``)."""
-        return []
-
-    def _own_groups(self, layer_specs: dict[str, KVSpec]) -> list[KVCacheGroup]:
-        """Group the drafter's layers under ``draft.``-prefixed names and remember the groups."""
-        prefixed = {DRAFT_GROUP_PREFIX + name: spec for name, spec in layer_specs.items()}
-        self._groups = group_layers(prefixed, prefix=DRAFT_GROUP_PREFIX, is_drafter=True)
-        return list(self._groups)
-
-    @abstractmethod
-    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
-        """Draft tokens for the next step, per request that sampled this step.
-
-        ``ctx`` is all the drafter reads: the step's view (what each request gained: accepted
-        drafts plus the sampled token, none for a prompt chunk), the target's states, the
-        persistent batch's tokens (this step's already appended) and ``run_pass`` for its passes.
-        Drafts are greedy, so the runner verifies them as one-hot proposals.
-        """
-
-    def graph_shapes(self) -> list[DraftGraphShape]:
-        """The forwards to capture as drafter graphs (none for drafters without a model)."""
-        return []
-
-    # ---- the graph seam: drafters with ``graph_shapes`` implement these -------------------------
+        """The drafter's own KV groups (``is_drafter=True``, names prefixed ``draft.``): its model's."""
+        return self.draft_model.kv_groups(block_size) if self.draft_model is not None else []
 
     def graph_groups(self) -> list[KVCacheGroup]:
-        """The drafter KV groups its passes attend over and write (their metadata is static in a
-        graph)."""
-        return list(self._groups)
+        """The KV groups its passes write (its model's; none without a model)."""
+        return self.draft_model.graph_groups() if self.draft_model is not None else []
 
-    def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
-        """Width and dtype of the hidden-state input of ``phase`` passes; None when they read token
-        ids and positions only."""
-        return None
+    def bind(self, executor: DraftPasses) -> None:
+        self._executor = executor
 
-    def forward_pass(
-        self,
-        kv: DraftKV,
-        phase: str,
-        metas: dict[str, AttentionMetadata],
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        features: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One ``phase`` pass over the given inputs and metadata, eagerly; returns ``[T, H]``. Graph
-        capture records exactly this call over static buffers."""
-        raise NotImplementedError(f"{type(self).__name__} has no model pass (graph_shapes() is empty)")
-
-    def state_metadata(
-        self, kv: DraftKV, metas: dict[str, AttentionMetadata], *, static: bool = False
-    ) -> dict[str, AttentionMetadata]:
-        """``metas`` with whatever per-pass state columns the drafter's own groups need (a draft
-        LM's Mamba groups); ``static``: they belong to a graph and are refilled in place. Drafters
-        without such groups return ``metas`` as they are."""
-        return metas
-
-    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor | None:
-        """The draft token each output row of a ``phase`` pass would propose (None when the pass
-        only writes context), for graph verification."""
-        return None
+    @property
+    def executor(self) -> DraftPasses:
+        """The executor of this drafter's passes (set by the runner with :meth:`bind`)."""
+        if self._executor is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no draft executor: build the runner with this drafter "
+                "(it binds its executor to the drafter)"
+            )
+        return self._executor

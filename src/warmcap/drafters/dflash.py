@@ -20,8 +20,8 @@ from warmcap.contracts import AttentionMetadata
 from warmcap.core.reservation import blocks_covering
 from warmcap.drafters.base import DRAFT_DECODE, DRAFT_GROUP_PREFIX, DRAFT_PREFILL, DraftGraphShape
 from warmcap.drafters.heads import HeadLayer, TargetTiedHead
-from warmcap.drafters.hidden import HeadDrafter
-from warmcap.drafters.paged import DraftContext, DraftKV, DraftPass, num_drafts_allowed
+from warmcap.drafters.hidden import HeadDrafter, HeadModel
+from warmcap.drafters.paged import DraftContext, DraftKV, DraftPass, DraftTokens, num_drafts_allowed
 from warmcap.drafters.registry import register
 from warmcap.models.layers import RMSNorm
 from warmcap.runner_v2.attention.torch_paged import write_kv
@@ -115,30 +115,11 @@ class DFlashHead(TargetTiedHead):
         return self.norm(x)
 
 
-@register
-class DFlashDrafter(HeadDrafter):
-    """Block-parallel drafter over its own KV group, conditioned on target layers ``aux_layers``."""
+class DFlashDraftModel(HeadModel):
+    """The DFlash head's two passes: ``draft_prefill`` writes context K/V from target features;
+    ``draft_decode`` runs the block queries over token ids."""
 
-    method = "dflash"
     head: DFlashHead
-
-    @staticmethod
-    def make_head(
-        cfg: Any, target: nn.Module, state: dict[str, torch.Tensor] | None, aux_layers: tuple[int, ...]
-    ) -> DFlashHead:
-        if state is None:
-            # Published DFlash heads state their depth; a random one gets a few layers.
-            cfg.num_hidden_layers = RANDOM_DFLASH_LAYERS
-        mask = getattr(cfg, "mask_token_id", None)
-        return DFlashHead(
-            cfg, target, num_target_states=len(aux_layers), mask_token_id=int(mask if mask is not None else 0)
-        )
-
-    def graph_shapes(self) -> list[DraftGraphShape]:
-        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
-        if self.num_speculative_tokens:  # a P/D producer's drafter runs no block pass
-            shapes.append(DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens))
-        return shapes
 
     def feature_spec(self, phase: str) -> tuple[int, torch.dtype] | None:
         if phase != DRAFT_PREFILL:
@@ -158,7 +139,7 @@ class DFlashDrafter(HeadDrafter):
         ``draft_decode``: the block queries over ``input_ids``."""
         (group,) = self._groups
         meta = metas[group.name]
-        caches = self._caches(kv)
+        caches = [kv.kv_caches[DRAFT_GROUP_PREFIX + a.self_attn.layer_name] for a in self.head.layers]
         if phase == DRAFT_PREFILL:
             if features is None:
                 raise ValueError("dflash context passes need the target's hidden-state features")
@@ -168,46 +149,65 @@ class DFlashDrafter(HeadDrafter):
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor | None:
         return self.head.draft_tokens(output) if phase == DRAFT_DECODE else None
 
-    def _caches(self, kv: DraftKV) -> list[torch.Tensor]:
-        return [kv.kv_caches[DRAFT_GROUP_PREFIX + a.self_attn.layer_name] for a in self.head.layers]
 
-    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
+@register
+class DFlashDrafter(HeadDrafter):
+    """Block-parallel drafter over its own KV group, conditioned on target layers ``aux_layers``."""
+
+    method = "dflash"
+    head: DFlashHead
+
+    @staticmethod
+    def make_head(
+        cfg: Any, target: nn.Module, state: dict[str, torch.Tensor] | None, aux_layers: tuple[int, ...]
+    ) -> DFlashHead:
+        if state is None:
+            # Published DFlash heads state their depth; a random one gets a few layers.
+            cfg.num_hidden_layers = RANDOM_DFLASH_LAYERS
+        mask = getattr(cfg, "mask_token_id", None)
+        return DFlashHead(
+            cfg, target, num_target_states=len(aux_layers), mask_token_id=int(mask if mask is not None else 0)
+        )
+
+    def make_model(self) -> DFlashDraftModel:
+        shapes = [DraftGraphShape(DRAFT_PREFILL, None)]
+        if self.num_speculative_tokens:  # a P/D producer's drafter runs no block pass
+            shapes.append(DraftGraphShape(DRAFT_DECODE, 1 + self.num_speculative_tokens))
+        return DFlashDraftModel(self.head, shapes, method=self.method)
+
+    def propose(self, ctx: DraftContext) -> DraftTokens:
         view = ctx.view
-        if not view.req_ids:
-            return {}
         device = ctx.device
+        if not view.req_ids:
+            return DraftTokens.none(device)
+        run = self.executor.run
         context = DraftPass.spans(view.req_ids, view.rows, view.start, view.num_valid)
         rows = torch.from_numpy(view.valid_state_index()).to(device)
         features = self.target_states(ctx)[rows].to(self.dtype)
         empty = torch.zeros(context.num_tokens, dtype=torch.int64, device=device)
-        ctx.run_pass(
-            context,
-            phase=DRAFT_PREFILL,
-            log_phase=DRAFT_PREFILL,
-            input_ids=empty,
-            features=features,
-        )
+        run(context, phase=DRAFT_PREFILL, log_phase=DRAFT_PREFILL, input_ids=empty, features=features)
 
-        budget = num_drafts_allowed(view, self.num_speculative_tokens, ctx.max_model_len)
-        if not (budget > 0).any():
-            return {}
+        k = self.num_speculative_tokens
+        budget = num_drafts_allowed(view, k, ctx.max_model_len)
+        drafting = np.flatnonzero(budget > 0)
+        if drafting.size == 0:
+            return DraftTokens.none(device)
         blk = DraftPass.spans(
             view.req_ids, view.rows, view.next_position, np.where(budget > 0, budget + 1, 0)
         )
         firsts = blk.query_start_loc[:-1]
         ids = np.full(blk.num_tokens, self.head.mask_token_id, dtype=np.int64)
         ids[firsts] = ctx.token_ids[blk.rows, blk.positions[firsts]]
-        out = ctx.run_pass(
-            blk,
-            phase=DRAFT_DECODE,
-            log_phase="draft_step_0",
-            input_ids=torch.from_numpy(ids).to(device),
+        out = run(
+            blk, phase=DRAFT_DECODE, log_phase="draft_step_0", input_ids=torch.from_numpy(ids).to(device)
         )
+        # The drafts are the outputs at the mask positions: request r's n_r of them, row r of an
+        # [R, k] tensor; the index is built on the host and moved in one copy.
+        num = budget[drafting].astype(np.int64)
         mask_rows = np.setdiff1d(np.arange(blk.num_tokens), firsts)
-        tokens = self.head.draft_tokens(out[torch.from_numpy(mask_rows).to(device)]).tolist()
-        drafts: dict[str, list[int]] = {}
-        offset = 0
-        for req_id, n in zip(blk.req_ids, (blk.query_lens - 1).tolist(), strict=True):
-            drafts[req_id] = tokens[offset : offset + n]
-            offset += n
-        return drafts
+        req_of = np.repeat(np.arange(drafting.size), num)
+        col = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)
+        index = torch.from_numpy(np.stack([mask_rows, req_of, col])).to(device)
+        tokens = torch.full((drafting.size, k), -1, dtype=torch.int64, device=device)
+        tokens[index[1], index[2]] = self.head.draft_tokens(out[index[0]])
+        return DraftTokens.from_rows(blk.req_ids, num, tokens, view.next_position[drafting] + 1)

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from warmcap.core.kv_spec import KVCacheGroup, MambaSpec
+from warmcap.core.kv_spec import MambaSpec
 from warmcap.drafters.autoregressive import AutoregressiveDrafter
-from warmcap.drafters.base import DRAFT_GROUP_PREFIX
+from warmcap.drafters.base import DRAFT_GROUP_PREFIX, PagedDraftModel, autoregressive_graph_shapes
 from warmcap.drafters.paged import DraftContext, DraftPass, forward_context
 from warmcap.drafters.registry import register
 from warmcap.kv_layout import layer_specs
@@ -33,26 +33,25 @@ if TYPE_CHECKING:
 
     from warmcap.config import EngineConfig
     from warmcap.contracts import AttentionMetadata
+    from warmcap.core.kv_spec import KVSpec
+    from warmcap.drafters.base import DraftGraphShape
     from warmcap.drafters.paged import DraftKV
 
 
-@register
-class DraftModelDrafter(AutoregressiveDrafter):
-    """Greedy drafts from a separate LM whose KV lives in ``draft.``-prefixed groups."""
+class LMDraftModel(PagedDraftModel):
+    """A causal LM run over ``draft.``-prefixed KV groups (its Mamba groups' state columns
+    included)."""
 
-    method = "draft_model"
-    # Draft i is the token at P + i: the LM reads tokens only, so each sits at its own position.
-    step_offset: ClassVar[int] = 0
-
-    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, model: nn.Module, shapes: list[DraftGraphShape]) -> None:
+        super().__init__(shapes)
+        self.config = config
         self.model: Any = model
         self._layer_names: dict[str, str] = {}
 
-    def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
+    def layer_specs(self, block_size: int) -> dict[str, KVSpec]:
         specs = layer_specs(self.model, self.config, block_size)
         self._layer_names = {name: DRAFT_GROUP_PREFIX + name for name in specs}
-        return self._own_groups(specs)
+        return specs
 
     def forward_pass(
         self,
@@ -84,6 +83,24 @@ class DraftModelDrafter(AutoregressiveDrafter):
 
     def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(output).argmax(dim=-1)
+
+
+@register
+class DraftModelDrafter(AutoregressiveDrafter):
+    """Greedy drafts from a separate LM whose KV lives in ``draft.``-prefixed groups."""
+
+    method = "draft_model"
+    # Draft i is the token at P + i: the LM reads tokens only, so each sits at its own position.
+    step_offset: ClassVar[int] = 0
+    draft_model: LMDraftModel
+
+    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+        super().__init__(config)
+        #: the draft LM's weights (the model half runs them)
+        self.model: Any = model
+        self.draft_model = LMDraftModel(
+            config, model, autoregressive_graph_shapes(self.num_speculative_tokens)
+        )
 
     def prefill_inputs(self, ctx: DraftContext) -> tuple[DraftPass, torch.Tensor, None]:
         # The real tokens: the accepted part of what the target computed, plus the sampled token

@@ -21,9 +21,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.drafters.autoregressive import AutoregressiveDrafter
-from warmcap.drafters.base import DRAFT_GROUP_PREFIX, DRAFT_PREFILL, BaseDrafter
+from warmcap.drafters.base import (
+    DRAFT_GROUP_PREFIX,
+    DRAFT_PREFILL,
+    BaseDrafter,
+    PagedDraftModel,
+    autoregressive_graph_shapes,
+)
 from warmcap.drafters.heads import DeepseekMTPHead, DraftHead, Eagle3Head, EagleHead, MTPHead, TargetTiedHead
 from warmcap.drafters.paged import DraftContext, DraftPass, forward_context
 from warmcap.drafters.registry import register
@@ -34,7 +39,60 @@ if TYPE_CHECKING:
 
     from warmcap.config import EngineConfig
     from warmcap.contracts import AttentionMetadata
+    from warmcap.core.kv_spec import KVSpec
+    from warmcap.drafters.base import DraftGraphShape
     from warmcap.drafters.paged import DraftKV
+
+
+class HeadModel(PagedDraftModel):
+    """A head tied to the target, run over its own ``draft.`` KV groups: the model half of the
+    head drafters. Its passes read the target's states (or its own) as features."""
+
+    def __init__(self, head: TargetTiedHead, shapes: list[DraftGraphShape], *, method: str) -> None:
+        super().__init__(shapes)
+        self.head = head
+        self.method = method
+        self.dtype = next(head.parameters()).dtype
+
+    def layer_specs(self, block_size: int) -> dict[str, KVSpec]:
+        return self.head.kv_layer_specs(block_size, self.dtype)
+
+
+class HeadDraftModel(HeadModel):
+    """A :class:`DraftHead` step: ``draft_prefill`` over target features (EAGLE-3: its aux layers
+    side by side), ``draft_decode`` over its own previous output."""
+
+    head: DraftHead
+
+    def __init__(
+        self, head: DraftHead, shapes: list[DraftGraphShape], *, method: str, aux_layers: tuple[int, ...]
+    ) -> None:
+        super().__init__(head, shapes, method=method)
+        self.num_aux_layers = len(aux_layers)
+
+    def feature_spec(self, phase: str) -> tuple[int, torch.dtype]:
+        width = self.head.cfg.hidden_size
+        if phase == DRAFT_PREFILL and self.num_aux_layers:
+            width *= self.num_aux_layers
+        return width, self.dtype
+
+    def forward_pass(
+        self,
+        kv: DraftKV,
+        phase: str,
+        metas: dict[str, AttentionMetadata],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        features: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if features is None:
+            raise ValueError(f"{self.method} passes need hidden-state features")
+        names = {name: DRAFT_GROUP_PREFIX + name for name in self.head.kv_layer_names}
+        ctx = forward_context(kv, self._groups, metas, names)
+        return self.head.step(input_ids, positions, features.to(self.dtype), ctx)
+
+    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_tokens(output)
 
 
 class HeadDrafter(BaseDrafter):
@@ -45,10 +103,12 @@ class HeadDrafter(BaseDrafter):
         self, config: EngineConfig, head: TargetTiedHead, *, aux_layers: tuple[int, ...] = ()
     ) -> None:
         super().__init__(config)
+        #: the head's weights (the model half runs them)
         self.head = head
         #: target layers whose inputs the head consumes, in concatenation order
         self.aux_layers = aux_layers
         self.dtype = next(head.parameters()).dtype
+        self.draft_model = self.make_model()
 
     @staticmethod
     @abstractmethod
@@ -58,8 +118,9 @@ class HeadDrafter(BaseDrafter):
         """The method's head shaped by ``cfg`` (the target's config with the head directory's on
         top) and by what its checkpoint ``state`` implies (None: no head directory)."""
 
-    def kv_groups(self, block_size: int) -> list[KVCacheGroup]:
-        return self._own_groups(self.head.kv_layer_specs(block_size, self.dtype))
+    @abstractmethod
+    def make_model(self) -> HeadModel:
+        """The model half running ``self.head`` (called once, by the constructor)."""
 
     def target_states(self, ctx: DraftContext) -> torch.Tensor:
         """The target features of the step ``[T, H * n]``: the final hidden states, or the inputs
@@ -82,31 +143,9 @@ class HiddenStateDrafter(HeadDrafter, AutoregressiveDrafter):
     # Draft i pairs with the head's own state of the position before it: P + i - 1.
     step_offset: ClassVar[int] = -1
 
-    def feature_spec(self, phase: str) -> tuple[int, torch.dtype]:
-        # The prefill reads target features (EAGLE-3: its aux layers side by side); later steps
-        # read the head's own output.
-        width = self.head.cfg.hidden_size
-        if phase == DRAFT_PREFILL and self.aux_layers:
-            width *= len(self.aux_layers)
-        return width, self.dtype
-
-    def forward_pass(
-        self,
-        kv: DraftKV,
-        phase: str,
-        metas: dict[str, AttentionMetadata],
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        features: torch.Tensor | None,
-    ) -> torch.Tensor:
-        if features is None:
-            raise ValueError(f"{self.method} passes need hidden-state features")
-        names = {name: DRAFT_GROUP_PREFIX + name for name in self.head.kv_layer_names}
-        ctx = forward_context(kv, self._groups, metas, names)
-        return self.head.step(input_ids, positions, features.to(self.dtype), ctx)
-
-    def greedy_drafts(self, phase: str, output: torch.Tensor) -> torch.Tensor:
-        return self.head.draft_tokens(output)
+    def make_model(self) -> HeadDraftModel:
+        shapes = autoregressive_graph_shapes(self.num_speculative_tokens)
+        return HeadDraftModel(self.head, shapes, method=self.method, aux_layers=self.aux_layers)
 
     def prefill_inputs(self, ctx: DraftContext) -> tuple[DraftPass, torch.Tensor, torch.Tensor]:
         # The target states of real tokens this step (rejected drafts excluded), each paired with

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from warmcap.drafters.base import BaseDrafter
-from warmcap.drafters.paged import num_drafts_allowed
+from warmcap.drafters.paged import DraftTokens, num_drafts_allowed
 from warmcap.drafters.registry import register
 
 if TYPE_CHECKING:
@@ -49,15 +50,26 @@ class NgramDrafter(BaseDrafter):
         self.min_n = spec.prompt_lookup_min
         self.max_n = spec.prompt_lookup_max
 
-    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
+    def propose(self, ctx: DraftContext) -> DraftTokens:
         view = ctx.view
-        budget = num_drafts_allowed(view, self.num_speculative_tokens, ctx.max_model_len)
-        drafts: dict[str, list[int]] = {}
-        for req_id, row, k in zip(view.req_ids, view.rows.tolist(), budget.tolist(), strict=True):
-            if k <= 0:
+        k = self.num_speculative_tokens
+        budget = num_drafts_allowed(view, k, ctx.max_model_len)
+        # Looked up on the host (the tokens live there); the drafts go to the device in one copy.
+        tokens = np.full((len(view.req_ids), k), -1, dtype=np.int64)
+        num = np.zeros(len(view.req_ids), dtype=np.int64)
+        for i, (row, n) in enumerate(zip(view.rows.tolist(), budget.tolist(), strict=True)):
+            if n <= 0:
                 continue
-            tokens = ctx.token_ids[row, : ctx.num_tokens[row]]
-            proposal = ngram_propose(tokens, min_n=self.min_n, max_n=self.max_n, k=k)
-            if proposal:
-                drafts[req_id] = proposal
-        return drafts
+            history = ctx.token_ids[row, : ctx.num_tokens[row]]
+            proposal = ngram_propose(history, min_n=self.min_n, max_n=self.max_n, k=n)
+            num[i] = len(proposal)
+            tokens[i, : len(proposal)] = proposal
+        if not num.any():
+            return DraftTokens.none(ctx.device)
+        return DraftTokens.from_rows(
+            view.req_ids,
+            num,
+            torch.from_numpy(tokens).to(ctx.device),
+            view.next_position + 1,
+            host_token_ids=tokens,
+        )

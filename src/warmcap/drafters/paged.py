@@ -1,11 +1,11 @@
-"""Drafter passes over the drafter's own KV groups: how many drafts a request may have, the
-forward context a pass runs in, and the proposals collected per request.
+"""Drafter passes over the drafter's own KV groups: how many drafts a request may have and the
+forward context a pass runs in.
 
-A drafter never builds block ids or metadata itself: the runner loads each pass it is handed
-(``DraftContext.run_pass``) into its drafter buffers from the persistent block tables (their rows
+A drafter never builds block ids or metadata itself: its executor (``DraftPasses``, bound once by
+the runner) loads each pass into the drafter buffers from the persistent block tables (their rows
 are the blocks the KV cache manager reserved for the request in each group, with the same lookahead
-rule as the target groups), and records every slot mapping in its write log (invariant I2 covers
-drafters too).
+rule as the target groups), and records every slot mapping in the KV-write log (invariant I2
+covers drafters too).
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ import numpy as np
 from warmcap.contracts import ForwardContext
 from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.collaborators import DraftPass
-from warmcap.runner_v2.draft_context import DraftContext, DraftKV, StepView
+from warmcap.runner_v2.draft_context import DraftContext, DraftKV, DraftPasses, DraftTokens, StepView
 
 if TYPE_CHECKING:
-    import torch
-
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup
 
@@ -30,8 +28,9 @@ __all__ = [
     "DraftContext",
     "DraftKV",
     "DraftPass",
+    "DraftPasses",
+    "DraftTokens",
     "StepView",
-    "collect_drafts",
     "forward_context",
     "num_drafts_allowed",
 ]
@@ -61,17 +60,3 @@ def forward_context(
         backends=kv.backends,
         group_kinds={g.name: g.spec.kind for g in groups},
     )
-
-
-def collect_drafts(
-    req_ids: list[str], budget: np.ndarray, drafts: list[torch.Tensor]
-) -> dict[str, list[int]]:
-    """Per-step draft tensors (each over the requests still drafting) -> draft lists per request."""
-    columns = [d.tolist() for d in drafts]
-    out: dict[str, list[int]] = {}
-    order = [i for i in range(len(req_ids)) if budget[i] > 0]
-    for step, column in enumerate(columns):
-        alive = [i for i in order if budget[i] > step]
-        for i, tok in zip(alive, column, strict=True):
-            out.setdefault(req_ids[i], []).append(int(tok))
-    return out

@@ -2,9 +2,9 @@
 
 Layout buffers (:class:`~warmcap.runner_v2.step_buffers.StepBuffers`) over the drafter's KV
 groups, the token ids and positions in them, and one feature buffer per phase whose passes read
-hidden states. The runner owns them (one per runner with a model-backed drafter); graph capture
-records over them and refills them before a replay, so eager and replayed passes load the same way
-and the runner's KV-write log records both from the same place.
+hidden states. The draft executor owns them (``runner_v2/draft_executor.py``, one per runner with
+a model-backed drafter); graph capture records over them and refills them before a replay, so
+eager and replayed passes load the same way and the KV-write log records both from the same place.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from warmcap.runner_v2.step_buffers import StepBuffers
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup
-    from warmcap.runner_v2.collaborators import Drafter, DraftPass
+    from warmcap.runner_v2.collaborators import DraftModel, DraftPass
     from warmcap.runner_v2.input_batch import InputBatch
 
 
@@ -33,7 +33,7 @@ class DraftBuffers:
 
     def __init__(
         self,
-        drafter: Drafter,
+        model: DraftModel,
         *,
         max_num_tokens: int,
         max_num_reqs: int,
@@ -46,12 +46,12 @@ class DraftBuffers:
                 max_num_tokens=max_num_tokens,
                 max_num_reqs=max_num_reqs,
                 max_blocks_per_req=max_blocks_per_req,
-                group_block_sizes={g.name: g.spec.block_size for g in drafter.graph_groups()},
+                group_block_sizes={g.name: g.spec.block_size for g in model.graph_groups()},
                 device=device,
             )
             self.features: dict[str, torch.Tensor] = {}
             for phase in (DRAFT_PREFILL, DRAFT_DECODE):
-                spec = drafter.feature_spec(phase)
+                spec = model.feature_spec(phase)
                 if spec is not None:
                     width, dtype = spec
                     self.features[phase] = torch.zeros(max_num_tokens, width, dtype=dtype, device=device)
@@ -109,6 +109,12 @@ class DraftBuffers:
             if features is not None:
                 feats[:t].copy_(features)
             feats[t:tp].zero_()
+
+
+def pass_block_tables(batch: InputBatch, dp: DraftPass, groups: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The host block-table rows of ``dp``'s requests in each of ``groups`` (drafter groups)."""
+    tables = batch.block_tables
+    return {g: tables[g].gather(dp.rows) for g in groups}
 
 
 def draft_writes(

@@ -1,14 +1,18 @@
 """What the runner hands its drafter: the drafter is a callee and reads nothing else of the runner.
 
 - :class:`DraftContext`, once per engine step, to ``Drafter.propose``: the step as the drafter
-  sees it (:class:`StepView`), the target's hidden and auxiliary states, the persistent batch's
-  tokens, and ``run_pass``, the runner's pass executor bound to this drafter (it loads the drafter
-  buffers, replays a captured drafter graph that fits or calls ``forward_pass``, and logs the
-  pass's KV writes).
-- :class:`DraftKV`, per pass, to ``Drafter.forward_pass`` and ``Drafter.state_metadata``: the KV
-  tensors, the attention backends and the block tables the pass runs over. The runner builds it at
-  call time (:meth:`ModelRunner.draft_kv`), so a pass run under substituted caches (graph safety's
-  fake tensors) sees those.
+  sees it (:class:`StepView`), the target's hidden and auxiliary states and the persistent batch's
+  tokens. It carries no way back into the runner.
+- :class:`DraftPasses`, once, to ``Drafter.bind``: the runner's draft executor
+  (``runner_v2/draft_executor.py``), which runs the drafter's passes (it loads the drafter
+  buffers, replays a captured drafter graph that fits or calls ``DraftModel.forward_pass``, and
+  logs the pass's KV writes).
+- :class:`DraftKV`, per pass, to ``DraftModel.forward_pass`` and ``DraftModel.state_metadata``:
+  the KV tensors, the attention backends and the block tables the pass runs over. The executor
+  builds it at call time (:meth:`DraftExecutor.kv`), so a pass run under substituted caches (graph
+  safety's fake tensors) sees those.
+- :class:`DraftTokens`, what ``propose`` returns: the drafts on the device, with their positions,
+  and how many each request has (known on the host without reading the device).
 """
 
 from __future__ import annotations
@@ -18,10 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import torch
 
 if TYPE_CHECKING:
-    import torch
-
     from warmcap.contracts.registry import BackendRegistry
     from warmcap.runner_v2.input_batch import StepInputs
 
@@ -125,10 +128,15 @@ class StepView:
         return np.repeat(self.token_offset, self.num_valid) + within
 
 
-class RunDraftPass(Protocol):
-    """The runner's executor of one drafter pass, as the drafter receives it."""
+class DraftPasses(Protocol):
+    """The runner's executor of drafter passes, as the drafter receives it (once, at bind time)."""
 
-    def __call__(
+    @property
+    def device(self) -> torch.device:
+        """Where the passes run (and drafts live)."""
+        ...
+
+    def run(
         self,
         dp: DraftPass,
         *,
@@ -171,4 +179,74 @@ class DraftContext:
     num_tokens: np.ndarray
     device: torch.device
     max_model_len: int
-    run_pass: RunDraftPass
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTokens:
+    """One step's proposals, left on the device for the next step's verification.
+
+    Row ``i`` belongs to ``req_ids[i]`` (the requests that drafted, in step order) and holds
+    ``num_drafts[i] >= 1`` drafts; the counts are host data (every drafter knows them before it
+    runs: a model drafter drafts its budget, n-gram looks up on the host), so the scheduler's
+    bookkeeping never waits on the device.
+    """
+
+    req_ids: list[str]
+    #: int64 [R] on the host
+    num_drafts: np.ndarray
+    #: int64 [R, K] on the device, -1 past each row's drafts
+    token_ids: torch.Tensor
+    #: int64 [R, K] on the device: the position each draft takes in the next step (-1 past the drafts)
+    positions: torch.Tensor
+    #: ``token_ids`` on the host as well, when the strategy made them there (n-gram): read for free
+    host_token_ids: np.ndarray | None = None
+
+    @classmethod
+    def none(cls, device: torch.device) -> DraftTokens:
+        """No request drafted."""
+        empty = torch.zeros(0, 0, dtype=torch.int64, device=device)
+        return cls([], np.zeros(0, dtype=np.int64), empty, empty)
+
+    @classmethod
+    def from_rows(
+        cls,
+        req_ids: Sequence[str],
+        num_drafts: np.ndarray,
+        token_ids: torch.Tensor,
+        first_position: np.ndarray,
+        *,
+        host_token_ids: np.ndarray | None = None,
+    ) -> DraftTokens:
+        """Drafts ``token_ids`` [R, K] (-1 padded) of requests whose first draft sits at
+        ``first_position`` [R]; requests with no draft are dropped (on the host: ``num_drafts``).
+        ``host_token_ids``: the same drafts on the host, when they were made there."""
+        keep = np.flatnonzero(num_drafts > 0)
+        num = num_drafts[keep].astype(np.int64)
+        k = token_ids.shape[1] if token_ids.dim() == 2 else 0
+        device = token_ids.device
+        if keep.size == 0:
+            return cls.none(device)
+        if keep.size != len(req_ids):
+            token_ids = token_ids[torch.from_numpy(keep).to(device)]
+            host_token_ids = host_token_ids[keep] if host_token_ids is not None else None
+        cols = np.arange(k, dtype=np.int64)
+        positions = np.where(cols[None, :] < num[:, None], first_position[keep, None] + cols[None, :], -1)
+        return cls(
+            [req_ids[i] for i in keep.tolist()],
+            num,
+            token_ids,
+            torch.from_numpy(positions).to(device, non_blocking=True),
+            host_token_ids,
+        )
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def to_lists(self) -> dict[str, list[int]]:
+        """The drafts per request on the host (what the scheduler records): one device read, none
+        when the strategy made them on the host."""
+        if not self.req_ids:
+            return {}
+        rows = (self.host_token_ids if self.host_token_ids is not None else self.token_ids.cpu()).tolist()
+        return {r: row[:n] for r, row, n in zip(self.req_ids, rows, self.num_drafts.tolist(), strict=True)}

@@ -24,9 +24,10 @@ from warmcap.core.reservation import max_blocks_per_request
 from warmcap.models.greedy_head import enabled as greedy_head_enabled
 from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry
-from warmcap.runner_v2.collaborators import Drafter, DraftPass, GraphDispatcher
-from warmcap.runner_v2.draft_buffers import DraftBuffers, draft_writes
-from warmcap.runner_v2.draft_context import DraftContext, DraftKV, StepView
+from warmcap.runner_v2.collaborators import Drafter, GraphDispatcher
+from warmcap.runner_v2.draft_buffers import DraftBuffers
+from warmcap.runner_v2.draft_context import DraftContext, DraftTokens, StepView
+from warmcap.runner_v2.draft_executor import DraftExecutor
 from warmcap.runner_v2.host_copy import HostCopy
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
@@ -60,8 +61,12 @@ class ModelRunner:
       ``[T]`` of the latest forward (for the engine and graph verification; the drafter is handed
       them in its :class:`DraftContext`)
     - ``drafter`` (a constructor argument): a callee, called after sampling with a
-      :class:`DraftContext`; returns next-step proposals, verified as one-hot (greedy) drafts. Its
-      passes run through :meth:`run_draft_pass` over ``draft_buffers``, which the runner owns.
+      :class:`DraftContext`; returns next-step proposals on the device (``draft_tokens``), verified
+      as one-hot (greedy) drafts. Its passes run through ``draft_executor``
+      (:class:`DraftExecutor`: the drafter buffers, drafter graphs and their KV-write logging),
+      which the runner builds for a drafter with a model and binds to the drafter once.
+    - ``draft_tokens``: the latest step's drafts (:class:`DraftTokens`, on the device), for the
+      next step
     - ``graphs``: the graph dispatcher, set once by :meth:`attach_graphs`
     - ``kv_write_log``: every slot mapping of every pass (target and drafter, eager or replayed)
       while :meth:`recording_kv_writes` is on, for the audit
@@ -128,23 +133,13 @@ class ModelRunner:
         # changes (:meth:`sampling_metadata`).
         self._sampling_key: tuple[int, bytes] | None = None
         self._sampling_meta: SamplingMetadata | None = None
-        self.drafter = drafter
-        # Drafter passes may cover a step's tokens plus one sampled token per request.
-        self.draft_buffers = (
-            DraftBuffers(
-                drafter,
-                max_num_tokens=self.max_num_tokens + self.max_num_reqs,
-                max_num_reqs=self.max_num_reqs,
-                max_blocks_per_req=self.max_blocks_per_req,
-                device=self.device,
-            )
-            if drafter is not None and drafter.graph_groups()
-            else None
-        )
         self.graphs: GraphDispatcher | None = None
         #: the KV connector's worker side (P/D), set once by :meth:`attach_kv_connector`
         self.kv_connector: WorkerConnector | None = None
         self.kv_write_log = KVWriteLog()
+        self.drafter = drafter
+        self.draft_executor = self._draft_executor(drafter)
+        self.draft_tokens: DraftTokens | None = None
         self.logits_hook: LogitsHook | None = None
         #: the exact screened argmax over the LM head, used by steps that need nothing but argmaxes
         #: (:meth:`_greedy_argmax`); None: every step computes the full logits
@@ -169,9 +164,30 @@ class ModelRunner:
 
     # ---- collaborators -----------------------------------------------------------------------------
 
+    def _draft_executor(self, drafter: Drafter | None) -> DraftExecutor | None:
+        """The executor of ``drafter``'s passes, bound to it; None without a drafter model."""
+        if drafter is None or drafter.draft_model is None or not drafter.draft_model.graph_groups():
+            return None
+        executor = DraftExecutor(
+            drafter.draft_model,
+            batch=self.batch,
+            kv_caches=self.kv_caches.tensors,
+            backends=self.backends,
+            kv_write_log=self.kv_write_log,
+            # Drafter passes may cover a step's tokens plus one sampled token per request.
+            max_num_tokens=self.max_num_tokens + self.max_num_reqs,
+            max_num_reqs=self.max_num_reqs,
+            max_blocks_per_req=self.max_blocks_per_req,
+            device=self.device,
+        )
+        drafter.bind(executor)
+        return executor
+
     def attach_graphs(self, graphs: GraphDispatcher | None) -> None:
         """Serve through ``graphs`` from now on (None: run every pass eagerly again)."""
         self.graphs = graphs
+        if self.draft_executor is not None:
+            self.draft_executor.graphs = graphs
 
     def attach_kv_connector(self, connector: WorkerConnector) -> None:
         """Load and save KV through ``connector`` from now on; it is given the KV tensors now."""
@@ -193,14 +209,19 @@ class ModelRunner:
     def substituted(
         self, *, buffers: StepBuffers, kv_caches: KVCaches, draft_buffers: DraftBuffers | None
     ) -> Iterator[None]:
-        """Run with other static buffers and KV caches (graph safety's fake tensors); the real ones
-        and the latest auxiliary hidden states are back on exit."""
-        saved = (self.buffers, self.kv_caches, self.draft_buffers, self.last_aux_hidden_states)
-        self.buffers, self.kv_caches, self.draft_buffers = buffers, kv_caches, draft_buffers
+        """Run with other static buffers and KV caches (graph safety's fake tensors; the drafter's
+        buffers in its executor); the real ones and the latest auxiliary hidden states are back on
+        exit."""
+        saved = (self.buffers, self.kv_caches, self.last_aux_hidden_states)
+        self.buffers, self.kv_caches = buffers, kv_caches
         try:
-            yield
+            if self.draft_executor is None:
+                yield
+            else:
+                with self.draft_executor.substituted(buffers=draft_buffers, kv_caches=kv_caches.tensors):
+                    yield
         finally:
-            self.buffers, self.kv_caches, self.draft_buffers, self.last_aux_hidden_states = saved
+            self.buffers, self.kv_caches, self.last_aux_hidden_states = saved
 
     @property
     def mamba_states(self) -> MambaStates | None:
@@ -255,7 +276,9 @@ class ModelRunner:
             for handler in handlers:
                 handler.finish_step(step.req_ids, seq_lens, sampled)
         self.batch.append_sampled(step.rows, sampled)
-        drafts = self._propose(sched_out, step, sampled, hidden)
+        self.draft_tokens = self._propose(sched_out, step, sampled, hidden)
+        # The scheduler keeps its requests' drafts on the host: one read of the step's drafts.
+        drafts = self.draft_tokens.to_lists() if self.draft_tokens is not None else {}
         if connector is not None:
             connector.wait_for_save()
         output = ModelRunnerOutput(
@@ -282,19 +305,19 @@ class ModelRunner:
 
     def _propose(
         self, sched_out: SchedulerOutput, step: StepInputs, sampled: list[list[int]], hidden: torch.Tensor
-    ) -> dict:
-        """The drafter's proposals for the next step; none from a step that reserved no lookahead
-        for its drafter's writes (they would land past the requests' blocks). A P/D producer's
-        drafter (no lookahead at all, ``num_speculative_tokens`` 0) runs its prompt pass, writing
-        the drafter KV the consumer reads, and proposes nothing."""
+    ) -> DraftTokens | None:
+        """The drafter's proposals for the next step, on the device; none from a step that reserved
+        no lookahead for its drafter's writes (they would land past the requests' blocks). A P/D
+        producer's drafter (no lookahead at all, ``num_speculative_tokens`` 0) runs its prompt pass,
+        writing the drafter KV the consumer reads, and proposes nothing."""
         if self.drafter is None:
-            return {}
+            return None
         lookahead = self.config.num_lookahead_tokens
         if lookahead:
             given = sched_out.num_lookahead_tokens
             short = [r for r in step.req_ids if given.get(r, lookahead) < lookahead]
             if len(short) == len(step.req_ids):
-                return {}
+                return None
             if short:
                 raise RuntimeError(
                     f"requests {short} reserved less than the drafter's lookahead {lookahead} in a step "
@@ -309,8 +332,9 @@ class ModelRunner:
             num_tokens=self.batch.num_tokens,
             device=self.device,
             max_model_len=self.max_model_len,
-            run_pass=self.run_draft_pass,
         )
+        if self.draft_executor is not None:
+            self.draft_executor.step = self.num_steps
         return self.drafter.propose(ctx)
 
     def forward_batch(self, num_tokens: int, attn_metadata: dict[str, AttentionMetadata]) -> torch.Tensor:
@@ -376,50 +400,6 @@ class ModelRunner:
             block_ids=block_ids,
             writes=writes,
         )
-
-    # ---- drafter passes ------------------------------------------------------------------------------
-
-    def draft_kv(self) -> DraftKV:
-        """What a drafter pass runs over now: KV tensors, backends, block tables, token counts."""
-        batch = self.batch
-        return DraftKV(
-            kv_caches=self.kv_caches.tensors,
-            backends=self.backends,
-            block_tables={g: t.table for g, t in batch.block_tables.tables.items()},
-            num_tokens=batch.num_tokens,
-        )
-
-    def run_draft_pass(
-        self,
-        dp: DraftPass,
-        *,
-        phase: str,
-        log_phase: str,
-        input_ids: torch.Tensor,
-        features: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One drafter pass (``phase`` ``draft_prefill`` or ``draft_decode``) over ``dp``: replayed
-        from a captured drafter graph when one fits, else run eagerly over ``draft_buffers``. Either
-        way its KV writes are logged under ``log_phase`` while recording. Returns ``[T, H]``."""
-        drafter, statics = self.drafter, self.draft_buffers
-        if drafter is None or statics is None:
-            raise RuntimeError("run_draft_pass needs a runner built with a model-backed drafter")
-        replay = self.graphs.replay_draft(phase, dp, input_ids, features) if self.graphs is not None else None
-        if replay is None:
-            tables = {g: self.batch.block_tables[g].gather(dp.rows) for g in statics.group_names}
-            statics.load(phase, dp, tables, input_ids, features)
-            kv = self.draft_kv()
-            metas = drafter.state_metadata(kv, statics.buffers.attn_metadata())
-            ids, positions, static_features = statics.inputs(phase, dp.num_tokens)
-            # A phase without a feature buffer takes its features as given.
-            feats = static_features if static_features is not None else features
-            output = drafter.forward_pass(kv, phase, metas, ids, positions, feats)
-        else:
-            metas, output = replay.metas, replay.output
-        if self.kv_write_log.recording:
-            writes = draft_writes(drafter.graph_groups(), metas, statics.buffers, self.batch)
-            self._log_pass(log_phase, dp.req_ids, dp.rows.tolist(), dp.query_start_loc.tolist(), writes)
-        return output
 
     # ---- sampling --------------------------------------------------------------------------------
 

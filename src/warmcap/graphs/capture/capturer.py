@@ -9,7 +9,7 @@ per metadata object (FlashInfer) find the plan the eager pass made.
 What a graph records is its spec's *subject* (:mod:`warmcap.graphs.capture.subjects`): target graphs
 output the final hidden states and, when the runner asks for them (EAGLE-3, DFlash), the auxiliary
 hidden states of its ``aux_hidden_state_layers`` as further static outputs; drafter graphs run the
-drafter's ``forward_pass`` over the runner's drafter buffers.
+drafter model's ``forward_pass`` through the runner's draft executor, over the buffers it owns.
 
 Mamba state columns are planned on the host per step (``runner_v2.mamba_state``): a shape's
 metadata holds *static* ``MambaMetadata`` (made once), which every eager pass over it refills in

@@ -167,11 +167,11 @@ def plan_draft_graphs(runner: ModelRunner, target: GraphPlan, *, backend: str = 
     exactly and only add graphs), and ``draft_decode`` FULL uniform graphs of the drafter's query length for
     ``1..max_num_seqs`` requests. Empty for drafters without graph shapes (ngram). ``backend`` as
     for :func:`plan_target_graphs` (a draft LM with Mamba layers gets no draft prefills on ``cuda``)."""
-    drafter = runner.drafter
-    if drafter is None or runner.draft_buffers is None or not drafter.graph_shapes():
+    executor = runner.draft_executor
+    if executor is None or not executor.model.graph_shapes():
         return GraphPlan([], [], [])
-    shapes = drafter.graph_shapes()
-    mamba = _records_mamba(backend, drafter.graph_groups())
+    shapes = executor.model.graph_shapes()
+    mamba = _records_mamba(backend, executor.model.graph_groups())
     max_reqs = runner.max_num_reqs
     notes: list[str] = []
     specs: list[GraphSpec] = []

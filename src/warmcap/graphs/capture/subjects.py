@@ -1,8 +1,8 @@
 """What a graph records: one *subject* per kind of pass, behind one interface.
 
 The target subject runs the runner's model over the runner's :class:`StepBuffers`; the drafter
-subject runs the runner's drafter over the runner's drafter buffers
-(:class:`~warmcap.runner_v2.draft_buffers.DraftBuffers`). Capture, replay, verification and the
+subject runs the drafter's model through the runner's draft executor
+(:class:`~warmcap.runner_v2.draft_executor.DraftExecutor`), over the drafter buffers it owns. Capture, replay, verification and the
 CUDA-safety check go through :class:`GraphSubject` only, so ``graphs/`` never asks which kind a
 graph is: a :class:`~warmcap.graphs.capture.planning.GraphSpec` names its subject, and the subject
 knows how to load its inputs, build and refresh its metadata and run its forward. How a subject's
@@ -23,13 +23,17 @@ from warmcap.graphs.capture.descriptors import BatchShape
 from warmcap.graphs.capture.planning import DRAFTER, TARGET
 from warmcap.graphs.capture.static_inputs import DraftInputs, empty_step, load_padded, spread_uniform_padding
 from warmcap.runner_v2.collaborators import DRAFT_DECODE
+from warmcap.runner_v2.draft_buffers import pass_block_tables
+from warmcap.runner_v2.draft_executor import draft_kv
 
 if TYPE_CHECKING:
     from warmcap.contracts import AttentionMetadata
     from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.graphs.capture.planning import GraphSpec
-    from warmcap.runner_v2.collaborators import Drafter, DraftPass
+    from warmcap.runner_v2.collaborators import DraftModel, DraftPass
     from warmcap.runner_v2.draft_buffers import DraftBuffers
+    from warmcap.runner_v2.draft_context import DraftKV
+    from warmcap.runner_v2.draft_executor import DraftExecutor
     from warmcap.runner_v2.input_batch import StepInputs
     from warmcap.runner_v2.model_runner import ModelRunner
     from warmcap.runner_v2.step_buffers import StepBuffers
@@ -119,28 +123,29 @@ class TargetSubject(GraphSubject["StepInputs"]):
 
 
 class DrafterSubject(GraphSubject[DraftInputs]):
-    """The runner's drafter over the runner's drafter buffers."""
+    """The drafter's model, run by the runner's draft executor over the executor's buffers (the
+    same eager call a serving pass makes)."""
 
     name = DRAFTER
 
     def __init__(self, runner: ModelRunner) -> None:
         super().__init__(runner)
-        if runner.drafter is None or runner.draft_buffers is None:
+        if runner.draft_executor is None:
             raise ValueError("a drafter subject needs a runner built with a model-backed drafter")
-        self.drafter: Drafter = runner.drafter
+        self.executor: DraftExecutor = runner.draft_executor
+        self.model: DraftModel = self.executor.model
 
     @property
     def statics(self) -> DraftBuffers:
-        statics = self.runner.draft_buffers
-        assert statics is not None  # checked in __init__; substitutes keep it set
-        return statics
+        # Read at each use: graph safety substitutes fakes in the executor.
+        return self.executor.buffers
 
     @property
     def buffers(self) -> StepBuffers:
         return self.statics.buffers
 
     def groups(self) -> list[KVCacheGroup]:
-        return self.drafter.graph_groups()
+        return self.model.graph_groups()
 
     def load(self, spec: GraphSpec, inputs: DraftInputs | None = None) -> None:
         statics = self.statics
@@ -148,8 +153,7 @@ class DrafterSubject(GraphSubject[DraftInputs]):
             statics.load(spec.phase, None, {}, num_tokens_padded=spec.num_tokens, num_reqs_padded=spec.rows)
             spread_uniform_padding(statics.buffers, spec)
             return
-        tables = {g: self.runner.batch.block_tables[g].gather(inputs.dp.rows) for g in statics.group_names}
-        self.load_tables(spec, inputs, tables)
+        self.load_tables(spec, inputs, pass_block_tables(self.executor.batch, inputs.dp, statics.group_names))
 
     def load_tables(self, spec: GraphSpec, inputs: DraftInputs, tables: dict[str, torch.Tensor]) -> None:
         """Load ``inputs`` padded into ``spec``'s shape with the given host block tables (rows of
@@ -165,13 +169,19 @@ class DrafterSubject(GraphSubject[DraftInputs]):
         )
         spread_uniform_padding(self.statics.buffers, spec)
 
+    def kv(self) -> DraftKV:
+        """What the executor's passes run over now (substituted fakes included)."""
+        executor = self.executor
+        return draft_kv(executor.batch, executor.kv_caches, executor.backends)
+
+    # NOTE: refresh and forward read the executor's fields but call none of its methods: a replay
+    # is dispatched from inside DraftExecutor.run, so calling back into it would re-enter it.
     def refresh(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> dict[str, AttentionMetadata]:
-        return self.drafter.state_metadata(self.runner.draft_kv(), metas, static=True)
+        return self.model.state_metadata(self.kv(), metas, static=True)
 
     def forward(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Outputs:
         ids, positions, features = self.statics.inputs(spec.phase, spec.num_tokens)
-        kv = self.runner.draft_kv()
-        return self.drafter.forward_pass(kv, spec.phase, metas, ids, positions, features), []
+        return self.model.forward_pass(self.kv(), spec.phase, metas, ids, positions, features), []
 
     def shape(self, phase: str, inputs: DraftInputs) -> BatchShape:
         return pass_shape(phase, inputs.dp)
@@ -181,14 +191,13 @@ class DrafterSubject(GraphSubject[DraftInputs]):
         return phase
 
     def modules(self) -> list[nn.Module]:
-        # The drafter's modules are its module attributes (a head, a draft LM).
-        return [v for v in vars(self.drafter).values() if isinstance(v, nn.Module)]
+        return self.model.modules()
 
 
 def make_subjects(runner: ModelRunner) -> dict[str, GraphSubject[Any]]:
     """The runner's subjects by name: the target always, the drafter when it has a model."""
     subjects: dict[str, GraphSubject[Any]] = {TARGET: TargetSubject(runner)}
-    if runner.drafter is not None and runner.draft_buffers is not None:
+    if runner.draft_executor is not None:
         subjects[DRAFTER] = DrafterSubject(runner)
     return subjects
 

@@ -230,7 +230,8 @@ def _fakes_installed(capturer: GraphCapturer, faker: _Faker) -> Iterator[None]:
     """Run the runner over fake buffers and caches and every subject's modules over fake
     parameters; restore everything on exit."""
     runner = capturer.runner
-    kv_caches, statics = runner.kv_caches, runner.draft_buffers
+    kv_caches = runner.kv_caches
+    statics = runner.draft_executor.buffers if runner.draft_executor is not None else None
     fake_kv = copy.copy(kv_caches)
     fake_kv.tensors = {name: faker.tensor(t, name) for name, t in kv_caches.tensors.items()}
     fake_statics = None

@@ -36,13 +36,12 @@ def draft_passes(
     vocab: int,
 ) -> Passes:
     """The passes of one drafter graph's check over ``layout`` on scratch ``tables``."""
-    runner = subject.runner
-    drafter = subject.drafter
+    model = subject.model
     statics = subject.statics
     spec = graph.spec
     own = {g: tables[g] for g in statics.group_names}
-    device = runner.device
-    feature_spec = {p: drafter.feature_spec(p) for p in (DRAFT_PREFILL, spec.phase)}
+    device = subject.executor.device
+    feature_spec = {p: model.feature_spec(p) for p in (DRAFT_PREFILL, spec.phase)}
     contexts, lens = layout.contexts, layout.query_lens
 
     def inputs(phase: str, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,7 +85,7 @@ def draft_passes(
         reference=lambda: [_forward(subject, spec.phase, metas, dp, ids, features)[:t]],
         replay=replay,
         padded_eager=padded_eager,
-        greedy=lambda output: drafter.greedy_drafts(spec.phase, output),
+        greedy=lambda output: model.greedy_drafts(spec.phase, output),
     )
 
 
@@ -102,7 +101,7 @@ def _load(
     metas = b.attn_metadata(num_columns=num_blocks)
     # The state columns the pass itself would plan (rows matched to the persistent batch), made
     # here so the blocks the reference writes are known before it runs.
-    return subject.drafter.state_metadata(subject.runner.draft_kv(), metas)
+    return subject.model.state_metadata(subject.kv(), metas)
 
 
 def _forward(
@@ -113,7 +112,8 @@ def _forward(
     input_ids: torch.Tensor,
     features: torch.Tensor | None,
 ) -> torch.Tensor:
-    """An eager drafter pass over the loaded static buffers with ``metas``."""
+    """An eager drafter pass over the loaded static buffers with ``metas`` (the given ids and
+    features, the loaded positions)."""
     positions = subject.buffers.positions[: dp.num_tokens]
-    kv = subject.runner.draft_kv()
-    return subject.drafter.forward_pass(kv, phase, metas, input_ids, positions, features)
+    kv = subject.kv()
+    return subject.model.forward_pass(kv, phase, metas, input_ids, positions, features)
