@@ -20,7 +20,7 @@ from warmcap.core.kv_spec import (
     SlidingWindowSpec,
 )
 from warmcap.core.request import Request
-from warmcap.core.reservation import reserved_blocks, skipped_blocks
+from warmcap.core.reservation import align_state_columns, reserved_blocks, skipped_blocks
 
 BLOCK_SIZES = st.sampled_from([1, 2, 4, 8, 16])
 
@@ -85,9 +85,14 @@ def check_holdings(kv: KVCacheManager, sims: list[Sim], lookahead: dict[str, int
             else:
                 assert len(held) == expected, (m.name, len(held), expected)
             released = skipped_blocks(m.spec, req.num_computed_tokens)
-            if isinstance(m.spec, MambaSpec) and m.spec.cache_mode == "align":
-                # Columns between the live state and this step's state stay null; the live
-                # state's column and the last one (a draft's state) are real blocks.
+            if isinstance(m.spec, MambaSpec) and m.spec.cache_mode == "align" and not m.group.is_drafter:
+                # The reference engine's layout: the columns a step writes states to (the running
+                # state's and the k drafts', the last 1 + k) are real blocks.
+                cols = align_state_columns(m.spec, len(held))
+                assert all(held[c] != 0 for c in cols), ("state column left null", held)
+            elif isinstance(m.spec, MambaSpec) and m.spec.cache_mode == "align":
+                # A drafter's own groups keep the committed-state rule: the live state's column and
+                # the last one (a draft's state) are real blocks.
                 live = held[min(released, len(held) - 1)] if held else None
                 assert not held or (held[-1] != 0 and live != 0), "state column left null"
             else:

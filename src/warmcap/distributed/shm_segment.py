@@ -201,7 +201,7 @@ class Layout:
 
 
 def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
+    return n + (-n) % to
 
 
 class Segment:

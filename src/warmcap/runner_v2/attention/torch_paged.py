@@ -291,7 +291,7 @@ def invariant_attention(
     group = hq // hkv
     chunk = INVARIANT_KEY_TILE
     tile = max(1, min(INVARIANT_TOKEN_TILE, 32768 // (hq * chunk)))
-    padded = -(-t // tile) * tile
+    padded = t + (-t) % tile
     queries = q.new_zeros(padded, hkv, group, d, dtype=kv_cache.dtype)
     queries[:t] = q.view(t, hkv, group, d)
     pos = plan.token_pos.new_full((padded,), -1)
@@ -300,15 +300,14 @@ def invariant_attention(
     rows[:t] = plan.token_row
     table = meta.block_table.long()
     keys_all, values_all = kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d)
-    chunks = -(-max(meta.max_seq_len, 1) // chunk)
     offsets = torch.arange(chunk, device=q.device)
     out = torch.empty(padded, hkv, group, d, dtype=kv_cache.dtype, device=q.device)
     for start in range(0, padded, tile):
         qt, pt, rt = queries[start : start + tile], pos[start : start + tile], rows[start : start + tile]
         m = qt.new_full((tile, hkv, group, 1), float("-inf"))
         acc = qt.new_zeros(tile, hkv, group, d + 1)
-        for c in range(chunks):
-            kpos = c * chunk + offsets
+        for first in range(0, max(meta.max_seq_len, 1), chunk):
+            kpos = first + offsets
             visible = kpos[None, :] <= pt[:, None]
             if window is not None:
                 visible &= kpos[None, :] > pt[:, None] - window
