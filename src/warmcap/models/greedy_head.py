@@ -248,10 +248,7 @@ class GreedyHead:
         scale = (norms * (1 + 2.0**-20)).float()
         cx = (scale * self.coefficient).unsqueeze(1)
         absolute = (2.0**-123 * (2 * n + 1 + math.sqrt(n) * (scale + self.max_norm))).unsqueeze(1)
-        if self.portable:
-            approx = F.linear(x.bfloat16().float(), self.screen_weight).bfloat16()
-        else:
-            approx = _linear(x.bfloat16(), self.screen_weight)
+        approx = self.approximate(x)
         if self.ops is not None:
             found = self.ops.greedy_candidates(
                 approx, cx, absolute, self.row_norms, self._workspace(9, torch.uint8)
@@ -269,6 +266,13 @@ class GreedyHead:
             ids = (slack >= 0).nonzero().squeeze(1)
             member = torch.addcmul(approx[:, ids].float(), cx, self.row_norms[ids]) >= lo
         return Screen(ids=ids, member=member)
+
+    def approximate(self, x: torch.Tensor) -> torch.Tensor:
+        """The screen's logits z^ of ``x`` ``[M, H]``, bf16 ``[M, V]``: bf16 inputs and weights,
+        float32 sums (oneDNN's bf16 GEMM, or the portable product)."""
+        if self.portable:
+            return F.linear(x.bfloat16().float(), self.screen_weight).bfloat16()
+        return _linear(x.bfloat16(), self.screen_weight)
 
     def _chunk_bounds(
         self,
