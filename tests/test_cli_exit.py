@@ -44,7 +44,9 @@ def test_exit_code_and_error_line_of_a_usage_error_are_kept():
 
 
 def test_a_command_that_leaves_a_thread_running_exits_the_ordinary_way():
-    res = _warmup("--version", extra="threading.Thread(target=time.sleep, args=(0.5,)).start()")
+    # NOTE: the thread must outlive the command: `--version` alone takes ~0.5 s here (the import),
+    # so a 0.5 s thread raced it on a busy machine.
+    res = _warmup("--version", extra="threading.Thread(target=time.sleep, args=(5.0,)).start()")
     assert res.returncode == 0 and res.stdout.startswith("warmcap ")
     assert "exit handler ran" in res.stderr and "teardown ran" in res.stderr
 
