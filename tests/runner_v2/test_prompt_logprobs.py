@@ -69,6 +69,30 @@ def _assert_matches(entries, ids: list[int], want: torch.Tensor, k: int) -> None
             assert entry[t].logprob == pytest.approx(float(row[t]), abs=TOL)
 
 
+def _prefill_beside_a_decode(engine, ids, *, other_tokens: int, target_params: SamplingParams, counts):
+    """A request decoding (``REPEATING``, two steps ahead), then ``ids`` prefilled beside it with
+    ``target_params``, run to the end: (finished outputs by id, the two ids, how many steps that
+    held both made ``counts(scheduled, drafts, other, target)`` true)."""
+    other = engine.add_request(
+        REPEATING, SamplingParams(temperature=0, max_tokens=other_tokens, ignore_eos=True)
+    )
+    engine.step()
+    engine.step()
+    target = engine.add_request({"prompt_token_ids": ids}, target_params)
+    seen = 0
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        step = engine.runner.last_step
+        if step is not None and {other, target} <= set(step.req_ids):
+            n = dict(zip(step.req_ids, step.num_scheduled.tolist(), strict=True))
+            drafts = dict(zip(step.req_ids, step.draft_token_ids, strict=True))
+            seen += bool(counts(n, drafts, other, target))
+    return done, other, target, seen
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_chunked_prompt_mixed_with_a_decode_equals_transformers(hf) -> None:
@@ -87,22 +111,14 @@ def test_chunked_prompt_mixed_with_a_decode_equals_transformers(hf) -> None:
     assert out.outputs[0].logprobs is None  # prompt logprobs ask nothing of the sampled tokens
 
     # Inside a mixed batch: another request decodes in the steps that prefill this one.
-    other = engine.add_request(REPEATING, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    engine.step()
-    engine.step()
-    target = engine.add_request(
-        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
-    )
-    mixed = 0
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        step = engine.runner.last_step
-        if step is not None and {other, target} <= set(step.req_ids):
-            n = dict(zip(step.req_ids, step.num_scheduled.tolist(), strict=True))
-            mixed += n[other] == 1 and n[target] > 1
+    def chunk_beside_decode(n: dict, drafts: dict, other: str, target: str) -> bool:
+        return n[other] == 1 and n[target] > 1
+
+    done, _, target, mixed = _prefill_beside_a_decode(
+        engine, ids, other_tokens=40,
+        target_params=SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0),
+        counts=chunk_beside_decode,
+    )  # fmt: skip
     assert mixed >= 2  # several of the target's chunks ran beside the other's decode
     entries = done[target].prompt_logprobs
     _assert_matches(entries, ids, want, 0)
@@ -137,23 +153,15 @@ def test_speculation_and_graphs_keep_prompt_logprobs_exact(hf) -> None:
     engine = llm.engine
     assert engine.runner.graphs is not None
     ids = llm.get_tokenizer().encode(PROMPT)
-    other = engine.add_request(REPEATING, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-    engine.step()
-    engine.step()
-    target = engine.add_request(
-        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
-    )
-    drafted_beside = 0
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        step = engine.runner.last_step
-        if step is not None and {other, target} <= set(step.req_ids):
-            drafts = dict(zip(step.req_ids, step.draft_token_ids, strict=True))
-            n = dict(zip(step.req_ids, step.num_scheduled.tolist(), strict=True))
-            drafted_beside += bool(drafts[other]) and n[target] > len(drafts[target]) + 1
+
+    def verify_beside_chunk(n: dict, drafts: dict, other: str, target: str) -> bool:
+        return bool(drafts[other]) and n[target] > len(drafts[target]) + 1
+
+    done, other, target, drafted_beside = _prefill_beside_a_decode(
+        engine, ids, other_tokens=48,
+        target_params=SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2),
+        counts=verify_beside_chunk,
+    )  # fmt: skip
     assert drafted_beside >= 1  # a verify step and a prompt chunk shared a step
     _assert_matches(done[target].prompt_logprobs, ids, _want(hf, ids), 2)
     # The speculating request's own tokens are plain greedy decoding's.
