@@ -202,6 +202,7 @@ class DecoderForCausalLM(nn.Module):
         model on the meta device and the loaded one give the same number: KV sizing counts it
         (``assembly.resident_bytes``)."""
         head = self.lm_head
+        mode = screen_mode()
         if (
             batch_invariant
             or torch.device(device).type != "cpu"
@@ -210,10 +211,10 @@ class DecoderForCausalLM(nn.Module):
             or type(head) not in (nn.Linear, PackedLinear)
             or head.bias is not None
             or head.weight.dtype != torch.float32
-            or screen_mode() is None
+            or mode is None
         ):
             return 0
-        return screen_bytes(*head.weight.shape, portable=screen_mode() == "portable")
+        return screen_bytes(*head.weight.shape, portable=mode == "portable")
 
 
 def check_tensor_parallel(cls: type[nn.Module], world_size: int | None = None) -> None:

@@ -164,9 +164,11 @@ class StepPlan:
     #: the step's slot mapping with PAD sent to the sink, by the sink's first slot
     sinked: dict[int, torch.Tensor] = field(default_factory=dict)
     kernel: KernelInputs | None = None
-    #: [T] each token's row and position, -1 for padded tokens (the batch-invariant path's input)
+    #: [T] each token's row, index in the row's query span and whether it is real (from
+    #: :func:`token_rows`, kept for the batch-invariant path)
     token_row: torch.Tensor | None = None
-    token_pos: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None
+    token_valid: torch.Tensor | None = None
 
     def kernel_inputs(self) -> KernelInputs:
         """The metadata as the CPU kernel reads it, converted once per step."""
@@ -248,7 +250,6 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
     query_index = (qsl[:-1, None] + i[None, :]).clamp(max=max(num_tokens - 1, 0)).reshape(-1)
     row, index, valid = token_rows(meta, num_tokens)
     out_index = (row * q + index.clamp(min=0, max=q - 1)).reshape(-1)
-    token_pos = torch.where(valid, seq[row] - qlen[row] + index, -1) if r else row.new_full(row.shape, -1)
     return StepPlan(
         meta=meta,
         stamp=MetaStamp.of(meta),
@@ -261,7 +262,8 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
         seq_len=seq[:, None, None],
         first_query_pos=(seq - qlen)[:, None, None],
         token_row=row,
-        token_pos=token_pos,
+        token_index=index,
+        token_valid=valid,
     )
 
 
@@ -294,8 +296,9 @@ def invariant_attention(
     padded = t + (-t) % tile
     queries = q.new_zeros(padded, hkv, group, d, dtype=kv_cache.dtype)
     queries[:t] = q.view(t, hkv, group, d)
-    pos = plan.token_pos.new_full((padded,), -1)
-    pos[:t] = plan.token_pos
+    pos = plan.token_row.new_full((padded,), -1)
+    first = plan.first_query_pos.view(-1)
+    pos[:t] = torch.where(plan.token_valid, first[plan.token_row] + plan.token_index, -1)
     rows = plan.token_row.new_zeros(padded)
     rows[:t] = plan.token_row
     table = meta.block_table.long()
