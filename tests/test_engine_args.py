@@ -35,6 +35,7 @@ EXAMPLES: dict[str, Any] = {
     "max_num_batched_tokens": 96,
     "max_model_len": 192,
     "enable_chunked_prefill": False,
+    "async_scheduling": True,
     "speculative_config": "ngram:3",
     "kv_role": "consumer",
     "kv_transfer_config": '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}',

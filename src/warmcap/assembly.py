@@ -74,6 +74,36 @@ def finish_config(config: EngineConfig, hf_config: Any) -> EngineConfig:
     return config.with_max_model_len(limit)
 
 
+def resolve_async_scheduling(
+    config: EngineConfig, device: torch.device, kv_groups: list[KVCacheGroup]
+) -> EngineConfig:
+    """``config`` with ``scheduler.async_scheduling`` decided. Auto (None): on for one CUDA device
+    with no drafter, no P/D and no Mamba state (there a step's scheduling and output work hide
+    behind the device's forward); off elsewhere: on CPU the forward runs on the host, so nothing
+    overlaps, and a drafter proposes from a step's tokens within the step. True is refused where
+    unsupported (Mamba state here; tensor parallelism and P/D by the config itself)."""
+    from dataclasses import replace
+
+    from warmcap.core.kv_spec import MambaSpec
+
+    wanted = config.scheduler.async_scheduling
+    stateful = [g.name for g in kv_groups if isinstance(g.spec, MambaSpec)]
+    if wanted and stateful:
+        raise ConfigError(
+            f"async_scheduling is not supported for a model with Mamba state (groups {', '.join(stateful)}) "
+            "yet: its state commits by each step's tokens; drop --async-scheduling"
+        )
+    if wanted is None:
+        wanted = (
+            device.type == "cuda"
+            and not stateful
+            and config.speculative is None
+            and config.tensor_parallel_size == 1
+            and config.kv_role == "none"
+        )
+    return replace(config, scheduler=replace(config.scheduler, async_scheduling=bool(wanted)))
+
+
 def weight_bytes(*modules: nn.Module | None) -> int:
     """Bytes of every parameter and buffer of ``modules``, each tensor once (tied and shared weights,
     e.g. a drafter head reusing the target's embedding, count once). Computed from shapes and

@@ -100,6 +100,9 @@ MaxModelLen = Annotated[
 EnableChunkedPrefill = Annotated[
     bool, _engine("enable_chunked_prefill", "--enable-chunked-prefill/--no-enable-chunked-prefill")
 ]
+AsyncScheduling = Annotated[
+    bool | None, _engine("async_scheduling", "--async-scheduling/--no-async-scheduling")
+]
 KvRole = Annotated[str, _engine("kv_role")]
 KvTransferConfig = Annotated[str | None, _engine("kv_transfer_config")]
 TensorParallelSize = Annotated[int, _engine("tensor_parallel_size", "--tensor-parallel-size", "-tp")]
@@ -168,6 +171,7 @@ ENGINE_OPTION_TYPES: dict[str, Any] = {
     "max_num_batched_tokens": MaxNumBatchedTokens,
     "max_model_len": MaxModelLen,
     "enable_chunked_prefill": EnableChunkedPrefill,
+    "async_scheduling": AsyncScheduling,
     "kv_role": KvRole,
     "kv_transfer_config": KvTransferConfig,
     "tensor_parallel_size": TensorParallelSize,

@@ -125,6 +125,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    #: one step in flight (``core/scheduler.py``, ``engine.py``): the next step is scheduled while
+    #: this one runs. None (auto): on where it helps (a CUDA device, one rank, no P/D, no Mamba
+    #: state), off elsewhere; True: required (refused where unsupported); False: off.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -394,6 +398,17 @@ class EngineConfig:
             f"kv_role {self.kv_role!r} (P/D KV transfer) is not supported with tensor_parallel_size = "
             f"{tp}: the connector would see only rank 0's KV heads; use tensor_parallel_size 1",
         )
+        if self.scheduler.async_scheduling:
+            _require(
+                tp == 1,
+                f"async_scheduling is not supported with tensor_parallel_size = {tp} yet: the worker "
+                "ranks run each step synchronously; drop --async-scheduling or use tensor_parallel_size 1",
+            )
+            _require(
+                self.kv_role == "none",
+                f"async_scheduling is not supported with kv_role {self.kv_role!r} (P/D KV transfer) yet: "
+                "KV transfers are reported by the step that ran them; drop --async-scheduling",
+            )
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from warmcap.assembly import assemble, finish_config, resolve_device
+from warmcap.assembly import assemble, finish_config, resolve_async_scheduling, resolve_device
 from warmcap.config import EngineConfig
 from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
@@ -42,6 +42,7 @@ from warmcap.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from warmcap.progress import progress_bar
 from warmcap.prompts import PromptType, check_token_ids, encode_text, split_prompt
 from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
+from warmcap.runner_v2.step_result import StepResult
 from warmcap.sampling_params import SamplingParams
 from warmcap.startup_hooks import (
     StartupContext,
@@ -155,8 +156,8 @@ class LLMEngine:
         assembly = assemble(
             config, hf_config, self.model, self.drafter, device=self.device, free_bytes=free_bytes
         )
-        self.config = config = assembly.config
         self.kv_groups = assembly.kv_groups
+        self.config = config = resolve_async_scheduling(assembly.config, self.device, self.kv_groups)
         executor = self.executor
         self.num_blocks = (
             assembly.num_blocks if executor is None else executor.agree_num_blocks(assembly.num_blocks)
@@ -187,6 +188,8 @@ class LLMEngine:
             drafter=self.drafter,
         )
         self.spec_metrics = SpecDecodeMetrics()
+        #: async scheduling: the step launched last, whose outputs the next :meth:`step` returns
+        self._inflight: tuple[SchedulerOutput, StepResult] | None = None
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         #: seconds per start-up phase: load (weights, tokenizer, drafter), kv_sizing (groups, pool,
@@ -362,35 +365,81 @@ class LLMEngine:
             self.abort(req_id)
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or blocks a producer keeps for a peer (steps poll for its read)."""
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.sending)
+        """Requests to run, a step whose outputs are not returned yet, or blocks a producer keeps
+        for a peer (steps poll for its read)."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._inflight is not None
+            or bool(self.scheduler.sending)
+        )
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns an output for every request that gained tokens.
+
+        With async scheduling (``config.scheduler.async_scheduling``) one step stays in flight:
+        this call schedules and launches the next step, then returns the outputs of the one
+        launched before it (so the first call returns none, and a request's last output may come
+        a call after its last step); tokens are the same as without.
 
         NOTE: any error inside the step (a failing forward, non-finite logits, Ctrl-C) aborts the
         requests of that step and frees their blocks before it propagates; other queued requests
         stay and the engine remains usable.
         """
+        if self.config.scheduler.async_scheduling:
+            return self._step_async()
+        sched_out = self._schedule()
         try:
-            sched_out = self.scheduler.schedule()
+            with self._audited(), self._pinned():
+                record = self.runner.execute_model_result(sched_out)
+        except BaseException:
+            self._fail_steps([sched_out])
+            raise
+        return self._process(sched_out, record)
+
+    def _schedule(self) -> SchedulerOutput:
+        try:
+            return self.scheduler.schedule()
         except BaseException:
             self._abort_all(r.request_id for r in self.scheduler.running)
             raise
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then process the one in flight (see :meth:`step`)."""
+        previous, self._inflight = self._inflight, None
+        sched_out = self._schedule()
         try:
             with self._audited(), self._pinned():
-                runner_out = self.runner.execute_model(sched_out)
-            logits = self._step_logits(sched_out)
+                record = self.runner.execute_model_async(sched_out)
+        except BaseException:
+            self._fail_steps([sched_out] if previous is None else [previous[0], sched_out])
+            raise
+        outputs: list[RequestOutput] = []
+        if previous is not None:
+            try:
+                outputs = self._process(*previous)
+            except BaseException:
+                # The launched step carries the same requests: they fail with the one that failed.
+                self._fail_steps([sched_out])
+                raise
+        if sched_out.is_empty:
+            # Nothing ran: its transfers and finished requests are reported now, nothing is in flight.
+            return outputs + self._process(sched_out, record)
+        self._inflight = (sched_out, record)
+        return outputs
+
+    def _process(self, sched_out: SchedulerOutput, record: StepResult) -> list[RequestOutput]:
+        """Apply an executed step's results: the scheduler's update, logprobs, stop strings, metrics;
+        returns an output for every request that gained tokens."""
+        try:
+            runner_out = record.result()
+            logits = self._step_logits(sched_out, record)
             results = self.scheduler.update_from_output(sched_out, runner_out)
             failed = self._end_failed_loads(runner_out.failed_recving)
         except BaseException:
-            self._abort_all(sched_out.num_scheduled_tokens)
-            self._release_rows(
-                sched_out.finished_req_ids | sched_out.preempted_req_ids | set(sched_out.num_scheduled_tokens)
-            )
+            self._fail_steps([sched_out])
             raise
         now = time.monotonic()
-        for req_id, part in self.runner.last_prompt_logprobs.items():
+        for req_id, part in record.prompt_logprobs.items():
             tracked = self._requests.get(req_id)
             if tracked is not None:
                 tracked.add_prompt_logprobs(part, self.decode)
@@ -419,6 +468,18 @@ class LLMEngine:
             outputs.append(tracked.output(self.detokenizer, res.new_token_ids, res.finish_reason))
         return outputs + failed
 
+    def _fail_steps(self, sched_outs: Sequence[SchedulerOutput]) -> None:
+        """A step failed: abort the requests of ``sched_outs`` (and of the step in flight) and drop
+        them from the runner's batch."""
+        if self._inflight is not None:
+            sched_outs = [*sched_outs, self._inflight[0]]
+            self._inflight = None
+        gone: set[str] = set()
+        for out in sched_outs:
+            self._abort_all(out.num_scheduled_tokens)
+            gone |= out.finished_req_ids | out.preempted_req_ids | set(out.num_scheduled_tokens)
+        self._release_rows(gone)
+
     def _end_failed_loads(self, failures: dict[str, str]) -> list[RequestOutput]:
         """Requests whose KV could not be loaded end now, freeing their blocks; each output says why."""
         outputs = []
@@ -446,28 +507,25 @@ class LLMEngine:
         with contextlib.suppress(Exception):
             self.runner.execute_model(SchedulerOutput(finished_req_ids=req_ids))
 
-    def _step_logits(self, sched_out: SchedulerOutput) -> dict[str, torch.Tensor] | None:
-        """Each request's sampling logits rows of the step just run; raises when any is non-finite.
+    def _step_logits(self, sched_out: SchedulerOutput, record: StepResult) -> dict[str, torch.Tensor] | None:
+        """Each request's sampling logits rows of an executed step; raises when any is non-finite.
 
         NOTE: a NaN row argmaxes to an arbitrary token, so a broken checkpoint would otherwise
         "generate" silently. NaN or Inf anywhere in a row makes the row's sum non-finite, so one
         reduction per step catches it (raw logits are never masked to -inf).
         """
-        logits = self.runner.last_logits
-        step = self.runner.last_step
+        if record.nonfinite_req_ids:
+            self._non_finite(sorted(record.nonfinite_req_ids))
+        logits = record.logits
+        step = record.step
         if sched_out.is_empty or logits is None or step is None or not step.num_logits.any():
             return None
         counts = step.num_logits.tolist()
         # The runner fetched the batch's verdict with the tokens; only a bad batch reads again.
-        if not self.runner.last_logits_finite:
+        if not record.logits_finite:
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
             owners = [r for r, n in zip(step.req_ids, counts, strict=True) for _ in range(n)]
-            req_ids = sorted({owners[i] for i in (~finite).nonzero().flatten().tolist()})
-            raise NonFiniteLogitsError(
-                f"model {self.model_path} produced non-finite logits (NaN or Inf) for {len(req_ids)} "
-                f"request(s) ({', '.join(req_ids)}), so no token can be sampled; its weights hold NaN/Inf "
-                f"or overflow {self.config.model.dtype}: check the checkpoint, or try dtype float32"
-            )
+            self._non_finite(sorted({owners[i] for i in (~finite).nonzero().flatten().tolist()}))
         rows: dict[str, torch.Tensor] = {}
         start = 0
         for req_id, n in zip(step.req_ids, counts, strict=True):
@@ -475,6 +533,13 @@ class LLMEngine:
                 rows[req_id] = logits[start : start + n]
                 start += n
         return rows
+
+    def _non_finite(self, req_ids: list[str]) -> None:
+        raise NonFiniteLogitsError(
+            f"model {self.model_path} produced non-finite logits (NaN or Inf) for {len(req_ids)} "
+            f"request(s) ({', '.join(req_ids)}), so no token can be sampled; its weights hold NaN/Inf "
+            f"or overflow {self.config.model.dtype}: check the checkpoint, or try dtype float32"
+        )
 
     def generate(
         self,

@@ -139,6 +139,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "enable_chunked_prefill",
         "Split long prompts over steps to fit the token budget.",
     ),
+    EngineArg(
+        "async_scheduling",
+        "scheduler",
+        "async_scheduling",
+        "One step in flight: schedule the next step while this one runs and read its tokens "
+        "afterwards (unset: on for one CUDA device without P/D or Mamba state, off elsewhere; same "
+        "tokens either way).",
+    ),
     EngineArg("speculative_config", None, "speculative", SPEC_HELP),
     EngineArg("kv_role", None, "kv_role", f"P/D role: {', '.join(KV_ROLES)}."),
     EngineArg("kv_transfer_config", None, "kv_transfer", KV_TRANSFER_HELP),

@@ -44,6 +44,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling: tokens a step in flight may still add to the outputs (1 + its drafts per
+    # sampling step), counted as known when the next step is scheduled (``core/scheduler.py``).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -69,6 +72,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def in_decode(self) -> bool:
+        """True when every known token but the last is computed (the next step samples)."""
+        return self.num_computed_tokens >= self.num_tokens - 1
 
     @property
     def in_prompt(self) -> bool:

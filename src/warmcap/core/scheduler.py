@@ -11,6 +11,16 @@ then waiting requests in arrival order while the token budget, the sequence limi
 allow. Each is admitted, allocated and recorded by ``core/step_builder.py``, which the warmup
 planner builds its steps with too; the scheduler picks the requests and preempts. ``num_computed_tokens`` advances when a step is scheduled and rolls back by the rejected
 draft count when its results come in.
+
+With async scheduling (``SchedulerConfig.async_scheduling``) the next step is scheduled before
+the results of the one in flight are in. A request that samples in a step holds
+``num_output_placeholders`` (1 + the drafts verified) until those results come in: the next step
+schedules its next token after them, and drafts as ``k`` placeholders that the runner fills with
+the drafter's real proposals (fewer when it proposed fewer). ``num_computed_tokens`` is then
+optimistic (every draft accepted) and rolls back as results come in, exactly as in the synchronous
+schedule; blocks are reserved for the optimistic count, a superset of what the step writes. A
+request whose placeholders reach ``max_tokens`` or the context limit waits for its results instead
+of running a step it could not use; a stop token or stop string costs at most one discarded token.
 """
 
 from __future__ import annotations
@@ -68,6 +78,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_counters = SpecDecodeCounters()
         self._finished_ids: set[str] = set()
+        #: one step in flight (see the module docstring); the engine resolves the config's auto
+        self.async_scheduling = bool(config.scheduler.async_scheduling)
+        # The drafts an async step schedules for a decoding request: placeholders the runner fills.
+        self._placeholder_drafts: list[int] = [-1] * self.num_spec_tokens
 
     # ---------------------------------------------------------------------------------- requests
 
@@ -158,9 +172,13 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         add = self.builder.add_running
         running = self.running
+        asynchronous = self.async_scheduling
         index = 0
         while index < len(running) and budget > 0:
             req = running[index]
+            if asynchronous and not self._async_ready(req):
+                index += 1
+                continue
             num_new = add(out, req, budget)
             while num_new is None:
                 victim = running.pop()
@@ -170,7 +188,34 @@ class Scheduler:
                 num_new = add(out, req, budget)
             budget -= num_new
             index += 1
+            if asynchronous:
+                self._hold_placeholders(req, out)
         return budget
+
+    def _async_ready(self, req: Request) -> bool:
+        """Whether a running request may run another step before its results in flight are in
+        (async scheduling); drafts become placeholders here. False: those results may end it
+        (``max_tokens``, the context limit) or leave no room, so it waits one step for them."""
+        pending = req.num_output_placeholders
+        if pending:
+            if req.num_output_tokens + pending >= req.sampling_params.max_tokens:
+                return False
+            if (
+                req.num_tokens + pending >= self.max_model_len
+                or req.num_computed_tokens >= self.max_model_len - 1
+            ):
+                return False
+        # A decoding request verifies drafts (a resumed one recomputing its tokens does not).
+        if self.num_spec_tokens and (pending or (req.output_token_ids and req.in_decode)):
+            req.spec_token_ids = self._placeholder_drafts
+        return True
+
+    def _hold_placeholders(self, req: Request, out: SchedulerOutput) -> None:
+        """After an async step scheduled ``req``: when the step samples for it (its computed count
+        reaches its known tokens), hold the outputs that step adds, 1 + its drafts."""
+        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+            drafts = out.scheduled_spec_decode_tokens.get(req.request_id)
+            req.num_output_placeholders += 1 + (len(drafts) if drafts else 0)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
@@ -204,6 +249,8 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             budget -= num_new
+            if self.async_scheduling:
+                self._hold_placeholders(req, out)
 
     def _start_load(
         self, req: Request, out: SchedulerOutput, hit_ids: dict[str, list[int]], num_hit: int, external: int
@@ -263,6 +310,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        # The step in flight's outputs for it are discarded (its status is no longer running).
+        req.num_output_placeholders = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -283,6 +332,8 @@ class Scheduler:
         results: list[RequestStepOutput] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         drafts_out = model_runner_output.draft_token_ids
+        # Async: the drafts the runner verified (the scheduled ones are placeholders).
+        verified = model_runner_output.num_draft_tokens if self.async_scheduling else None
         k = self.num_spec_tokens
         running = RequestStatus.RUNNING
         finished: list[Request] = []
@@ -300,29 +351,34 @@ class Scheduler:
                     "at most drafts + 1 can be accepted"
                 )
             num_accepted = len(sampled) - 1 if sampled else 0
+            num_verified = num_drafts if verified is None else verified.get(req_id, 0)
             if num_drafts:
+                # Async: every placeholder draft the runner had no proposal for counts as rejected.
                 req.num_computed_tokens = computed_after_verify(
                     req.num_computed_tokens, num_drafts, num_accepted
                 )
-                self.spec_counters.record(num_drafts, num_accepted)
+                if num_verified:
+                    self.spec_counters.record(num_verified, num_accepted)
             if not sampled:
-                if req.num_computed_tokens >= req.num_tokens:
+                if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                     raise ValueError(f"runner sampled no token for {req_id!r} after its prompt ended")
                 continue
+            if verified is not None:
+                req.num_output_placeholders -= 1 + num_drafts
             new_tokens = self._append_and_check_stop(req, sampled)
             status = req.status
-            if status is running:
+            if status is not running:
+                finished.append(req)
+            elif verified is None:
                 next_drafts = drafts_out.get(req_id)
                 req.spec_token_ids = list(next_drafts[:k]) if next_drafts and k else []
-            else:
-                finished.append(req)
             results.append(
                 RequestStepOutput(
                     req_id=req_id,
                     new_token_ids=new_tokens,
                     finished=status is not running,
                     finish_reason=_FINISH_REASON.get(status),
-                    num_draft_tokens=num_drafts,
+                    num_draft_tokens=num_verified,
                     num_accepted_tokens=num_accepted,
                 )
             )

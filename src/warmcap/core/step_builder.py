@@ -81,7 +81,10 @@ class StepBuilder:
         # NOTE: this runs for every running request every step; it avoids min(), properties and
         # keyword calls, which cost more than the arithmetic they wrap.
         computed = req.num_computed_tokens
-        num_real = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
+        # Placeholders: the outputs a step still in flight adds (async scheduling; 0 otherwise).
+        num_real = (
+            len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_output_placeholders - computed
+        )
         drafts = req.spec_token_ids
         num_new = num_real + len(drafts)
         if num_new > budget:

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
+from warmcap.core.outputs import SchedulerOutput
 from warmcap.distributed.channel import CommandChannel, Step
 from warmcap.runner_v2.input_batch import StepInputs
 from warmcap.runner_v2.model_runner import ModelRunner
+from warmcap.runner_v2.step_result import StepResult
 
 
 class TPModelRunner(ModelRunner):
@@ -43,15 +44,15 @@ class TPModelRunner(ModelRunner):
         self.channel = channel
         self.guard = guard or contextlib.nullcontext
 
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def _run(self, sched_out: SchedulerOutput, *, defer: bool) -> StepResult:
         """Run one step on every rank; rank 0 announces it unless the ranks are in lockstep."""
         if not self.channel.is_driver or self.channel.lockstep:
-            return super().execute_model(sched_out)
+            return super()._run(sched_out, defer=defer)
         with self.guard():
             self.channel.share(Step(sched_out))
-            return super().execute_model(sched_out)
+            return super()._run(sched_out, defer=defer)
 
-    def _sample(self, hidden: torch.Tensor, step: StepInputs) -> list[list[int]]:
+    def _sample(self, hidden: torch.Tensor, step: StepInputs, *, defer: bool = False) -> list[list[int]]:
         # Every rank computes the gathered logits (the LM head's all-gather needs all of them), but
-        # only rank 0's tokens are kept.
+        # only rank 0's tokens are kept; they are read within the step (no async scheduling here).
         return self.channel.share(super()._sample(hidden, step))

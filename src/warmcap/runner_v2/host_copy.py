@@ -16,6 +16,41 @@ from collections.abc import Sequence
 import torch
 
 
+class PendingCopy:
+    """A device-to-host copy started by :meth:`HostCopy.start`; :meth:`wait` returns the host
+    tensors (waiting for the copy on CUDA, once)."""
+
+    __slots__ = ("_done", "_parts", "_pinned", "_result")
+
+    def __init__(
+        self,
+        parts: Sequence[torch.Tensor],
+        pinned: torch.Tensor | None = None,
+        done: torch.cuda.Event | None = None,
+    ) -> None:
+        self._parts = parts
+        self._pinned = pinned
+        self._done = done
+        self._result: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._result is not None:
+            return self._result
+        if self._done is None:
+            self._result = list(self._parts)
+            return self._result
+        self._done.synchronize()
+        out, start = [], 0
+        assert self._pinned is not None
+        for p in self._parts:
+            n = p.numel()
+            host = self._pinned[start : start + n].view(p.shape)
+            out.append(host.to(torch.bool) if p.dtype == torch.bool else host)
+            start += n
+        self._result = out
+        return out
+
+
 class HostCopy:
     """Device-to-host fetches of small integer outputs through one reusable pinned buffer."""
 
@@ -31,19 +66,23 @@ class HostCopy:
         """
         if self.device.type != "cuda":
             return [p.to("cpu") for p in parts]
+        return self.start(parts).wait()
+
+    def start(self, parts: Sequence[torch.Tensor]) -> PendingCopy:
+        """Start copying ``parts`` to the host and return at once (async scheduling reads them a
+        step later). On CPU the parts are copied now (host tensors a later step may overwrite).
+
+        NOTE: one copy in flight at a time: :meth:`PendingCopy.wait` must come before the next
+        :meth:`start` or :meth:`fetch` reuses the pinned buffer.
+        """
+        if self.device.type != "cuda":
+            return PendingCopy([p.to("cpu", copy=True) for p in parts])
         flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
         pinned = self._buffer(flat.numel())[: flat.numel()]
         pinned.copy_(flat, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()
-        out, start = [], 0
-        for p in parts:
-            n = p.numel()
-            host = pinned[start : start + n].view(p.shape)
-            out.append(host.to(torch.bool) if p.dtype == torch.bool else host)
-            start += n
-        return out
+        return PendingCopy(parts, pinned, done)
 
     def _buffer(self, numel: int) -> torch.Tensor:
         if self._pinned is None or self._pinned.numel() < numel:

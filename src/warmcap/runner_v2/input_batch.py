@@ -144,6 +144,18 @@ class InputBatch:
                 start = int(self.num_tokens[row])
                 self.token_ids[row, start : start + len(drafts)] = drafts
 
+    def clamp_computed(self, cached: Sequence[CachedRequestData]) -> None:
+        """Async scheduling: a running request's computed count is the scheduler's optimistic one
+        (every draft of the step in flight accepted); the true count is every known token but the
+        last, which this batch knows once that step's tokens are in. A prompt chunk's count is
+        already exact (below that bound)."""
+        row_of, computed, num_tokens = self.row_of, self.num_computed, self.num_tokens
+        for c in cached:
+            row = row_of[c.req_id]
+            known = num_tokens[row] - 1
+            if computed[row] > known:
+                computed[row] = known
+
     def add_request(self, new: NewRequestData) -> int:
         """Place a new (or resumed) request in the lowest free row and return the row."""
         if new.req_id in self.row_of:

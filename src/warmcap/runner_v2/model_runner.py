@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from warmcap.runner_v2.prompt_logprobs import PromptLogprobsPart, prompt_logprob
 from warmcap.runner_v2.rejection import Verified, greedy_verify_on_device, probabilistic_verify_on_device
 from warmcap.runner_v2.sampler import Sampler, SamplingMetadata, row_argmax
 from warmcap.runner_v2.step_buffers import StepBuffers
+from warmcap.runner_v2.step_result import PendingTokens, StepResult, spread
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
@@ -145,6 +147,13 @@ class ModelRunner:
         #: (:meth:`_greedy_argmax`); None: every step computes the full logits
         self.greedy_head: GreedyHead | None = _build_greedy_head(model)
         self.num_steps = 0
+        #: one step in flight (``core/scheduler.py``): the schedule's computed counts are optimistic
+        #: and its drafts placeholders; the runner takes both from its own state
+        self.async_scheduling = bool(config.scheduler.async_scheduling)
+        # The step whose tokens are still on their way to the host (async), read before the next.
+        self._pending: StepResult | None = None
+        # The latest step's drafts on the host, per request (what the next async step verifies).
+        self._proposals: dict[str, list[int]] = {}
         self.last_step: StepInputs | None = None
         self.last_hidden_states: torch.Tensor | None = None
         self.last_positions: torch.Tensor | None = None
@@ -233,7 +242,36 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and return what each request produced."""
+        return self._run(sched_out, defer=False).result()
+
+    @torch.inference_mode()
+    def execute_model_result(self, sched_out: SchedulerOutput) -> StepResult:
+        """:meth:`execute_model` returning the whole :class:`StepResult` (output, logits, prompt
+        logprobs), tokens read."""
+        return self._run(sched_out, defer=False)
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched_out: SchedulerOutput) -> StepResult:
+        """Run one scheduled step and return it with its tokens possibly still on the way to the
+        host (``runner_v2/step_result.py``): read by :meth:`StepResult.result`, or at the start of
+        the next step. A step with a drafter or stateful layers reads its tokens before it
+        returns: the drafter proposes from them on the host, the state handlers commit by them."""
+        return self._run(sched_out, defer=self.drafter is None and not self.state_handlers)
+
+    def resolve_pending(self) -> None:
+        """Read the tokens of the step still in flight, if any, into the persistent batch."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _run(self, sched_out: SchedulerOutput, *, defer: bool) -> StepResult:
+        # The step in flight's tokens are the next inputs: read them before this step's deltas.
+        self.resolve_pending()
+        if self.async_scheduling and sched_out.scheduled_spec_decode_tokens:
+            sched_out = self._with_proposals(sched_out)
         self.batch.update(sched_out)
+        if self.async_scheduling:
+            self.batch.clamp_computed(sched_out.scheduled_cached_reqs)
         handlers = self.state_handlers
         if handlers:
             gone = sched_out.finished_req_ids | sched_out.preempted_req_ids
@@ -245,7 +283,7 @@ class ModelRunner:
         if connector is not None:
             connector.start_load_kv(sched_out.kv_connector_metadata)
         if sched_out.is_empty:
-            return self._transfer_report(sched_out, ModelRunnerOutput())
+            return StepResult.ready(self._transfer_report(sched_out, ModelRunnerOutput()))
         step = self.batch.prepare_inputs(sched_out)
         if handlers:
             num_drafts = [len(d) for d in step.draft_token_ids]
@@ -267,10 +305,45 @@ class ModelRunner:
         self.last_hidden_states = hidden
         self.last_positions = self.buffers.positions[: step.num_tokens]
 
-        sampled = self._sample(hidden, step)
+        tokens = self._sample(hidden, step, defer=defer)
         # From the hidden states of every prompt token, whichever way the step ran (a replayed
         # graph returns them all too); before the drafter, whose passes reuse buffers.
         self.last_prompt_logprobs = self._prompt_logprobs(hidden, step)
+        record = StepResult(step=step, logits=self.last_logits, prompt_logprobs=self.last_prompt_logprobs)
+        record._finish = lambda rec: self._finish_step(rec, sched_out, step, hidden, tokens)
+        if isinstance(tokens, PendingTokens):
+            self._pending = record
+        else:
+            record.result()
+        return record
+
+    def _finish_step(
+        self,
+        record: StepResult,
+        sched_out: SchedulerOutput,
+        step: StepInputs,
+        hidden: torch.Tensor,
+        tokens: list[list[int]] | PendingTokens,
+    ) -> ModelRunnerOutput:
+        """The step's output once its tokens are on the host: they join the persistent batch, the
+        state handlers commit, the drafter proposes."""
+        if isinstance(tokens, PendingTokens):
+            sampled, flag = tokens.read()
+            if tokens.flag and record.logits is None and flag:
+                # Read late, a row the greedy head declined (non-finite) cannot take the full
+                # logits any more: its request fails (engine.py) and a stand-in token keeps the
+                # batch's inputs valid until it is dropped.
+                record.nonfinite_req_ids = [
+                    r for r, t in zip(step.req_ids, sampled, strict=True) if t and t[0] < 0
+                ]
+                sampled = [[max(t, 0) for t in s] for s in sampled]
+            elif tokens.flag and record.logits is not None:
+                record.logits_finite = bool(flag)
+        else:
+            sampled = tokens
+            record.logits_finite = self.last_logits_finite
+        self.last_logits_finite = record.logits_finite
+        handlers = self.state_handlers
         if handlers:
             seq_lens = step.seq_lens.tolist()
             for handler in handlers:
@@ -279,6 +352,8 @@ class ModelRunner:
         self.draft_tokens = self._propose(sched_out, step, sampled, hidden)
         # The scheduler keeps its requests' drafts on the host: one read of the step's drafts.
         drafts = self.draft_tokens.to_lists() if self.draft_tokens is not None else {}
+        self._proposals = drafts
+        connector = self.kv_connector
         if connector is not None:
             connector.wait_for_save()
         output = ModelRunnerOutput(
@@ -290,6 +365,19 @@ class ModelRunner:
             else {},
         )
         return self._transfer_report(sched_out, output)
+
+    def _with_proposals(self, sched_out: SchedulerOutput) -> SchedulerOutput:
+        """An async step's schedule with its placeholder drafts replaced by the drafter's latest
+        proposals (at most as many; a request with fewer computes fewer tokens)."""
+        spec: dict[str, list[int]] = {}
+        counts = dict(sched_out.num_scheduled_tokens)
+        proposals = self._proposals
+        for req_id, placeholders in sched_out.scheduled_spec_decode_tokens.items():
+            real = proposals.get(req_id, ())[: len(placeholders)]
+            if real:
+                spec[req_id] = list(real)
+            counts[req_id] -= len(placeholders) - len(real)
+        return replace(sched_out, num_scheduled_tokens=counts, scheduled_spec_decode_tokens=spec)
 
     def _transfer_report(self, sched_out: SchedulerOutput, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """``output`` with the KV transfers that finished: the connector's report, or, with no
@@ -421,9 +509,14 @@ class ModelRunner:
         self._sampling_key, self._sampling_meta = key, meta
         return meta
 
-    def _sample(self, hidden: torch.Tensor, step: StepInputs) -> list[list[int]]:
+    def _sample(
+        self, hidden: torch.Tensor, step: StepInputs, *, defer: bool = False
+    ) -> list[list[int]] | PendingTokens:
+        """Each request's tokens (accepted drafts + the sampled one; ``[]`` for a prompt chunk).
+        ``defer``: return them still on their way to the host (:class:`PendingTokens`)."""
         n = len(step.logits_indices)
         if n == 0:
+            self.last_logits = None
             return [[] for _ in step.req_ids]
         # Every token samples (a decode step): the logits rows are the first n hidden rows.
         rows = hidden[:n] if n == step.num_tokens else hidden[self.buffers.logits_indices[:n]]
@@ -434,40 +527,46 @@ class ModelRunner:
         drafts: list[list[int]] = []
         if samples is not None and step.max_query_len > 1:
             drafts = [d for d, s in zip(step.draft_token_ids, samples, strict=True) if s]
-        produced = None
         greedy = self._greedy_argmax(rows, step, meta)
         if greedy is not None:
             # No full logits this step: the engine's logprobs and non-finite check see none (the
             # screen refuses non-finite rows, which then take the full path below).
             self.last_logits = None
+            self.last_logits_finite = None
             result = greedy_verify_on_device(greedy, drafts) if any(drafts) else greedy
             # A head that declines rows on the device (a negative id: a non-finite row) says so
             # in the step's one fetch; the step then takes the full logits instead.
             declined = (greedy < 0).any() if getattr(self.greedy_head, "declines_on_device", False) else None
+            if defer:
+                return self._pending_tokens(result, declined, samples)
             produced, flag = self._fetch(result, declined)
-            if flag:
-                produced = None
-            self.last_logits_finite = None
-        if produced is None:
-            logits = self.model.compute_logits(rows)
-            self.last_logits = logits
-            # NaN or Inf anywhere in a row makes its sum non-finite: one reduction for the batch.
-            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()
-            if self.logits_hook is not None:
-                self.logits_hook(step.req_ids, step.num_logits, logits)
-            logits = self.batch.process_logits(logits, step)
-            if not any(drafts):
-                result = self.sampler(logits, meta)
-            elif meta.all_greedy:
-                result = greedy_verify_on_device(row_argmax(logits), drafts)
-            else:
-                result = self._verify_random(logits, meta, step, drafts)
-            produced, flag = self._fetch(result, finite)
-            self.last_logits_finite = bool(flag)
-        if samples is None:
-            return produced
-        it = iter(produced)
-        return [next(it) if s else [] for s in samples]
+            if not flag:
+                return spread(produced, samples)
+        logits = self.model.compute_logits(rows)
+        self.last_logits = logits
+        # NaN or Inf anywhere in a row makes its sum non-finite: one reduction for the batch.
+        finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)).all()
+        if self.logits_hook is not None:
+            self.logits_hook(step.req_ids, step.num_logits, logits)
+        logits = self.batch.process_logits(logits, step)
+        if not any(drafts):
+            result = self.sampler(logits, meta)
+        elif meta.all_greedy:
+            result = greedy_verify_on_device(row_argmax(logits), drafts)
+        else:
+            result = self._verify_random(logits, meta, step, drafts)
+        if defer:
+            return self._pending_tokens(result, finite, samples)
+        produced, flag = self._fetch(result, finite)
+        self.last_logits_finite = bool(flag)
+        return spread(produced, samples)
+
+    def _pending_tokens(
+        self, result: torch.Tensor | Verified, flag: torch.Tensor | None, samples: list[bool] | None
+    ) -> PendingTokens:
+        parts = result.parts if isinstance(result, Verified) else [result]
+        copy = self.host_copy.start([*parts, flag] if flag is not None else parts)
+        return PendingTokens(copy, isinstance(result, Verified), flag is not None, samples)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, PromptLogprobsPart]:
         """The prompt logprobs of the step's prompt tokens, for the requests that asked for them.
