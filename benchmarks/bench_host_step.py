@@ -80,6 +80,8 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
     ("warmcap.core.scheduler", "Scheduler.schedule", "scheduler"),
     ("warmcap.core.scheduler", "Scheduler.update_from_output", "scheduler"),
     ("warmcap.runner_v2.model_runner", "ModelRunner.execute_model", "runner"),
+    ("warmcap.runner_v2.model_runner", "ModelRunner._run", "runner"),
+    ("warmcap.runner_v2.model_runner", "ModelRunner._finish_step", "runner"),
     ("warmcap.runner_v2.input_batch", "InputBatch.update", "prepare inputs"),
     ("warmcap.runner_v2.input_batch", "InputBatch.prepare_inputs", "prepare inputs"),
     ("warmcap.runner_v2.step_buffers", "StepBuffers.copy_from", "step buffers"),
@@ -90,6 +92,7 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
     ("warmcap.runner_v2.model_runner", "ModelRunner.sampling_metadata", "sampling metadata"),
     ("warmcap.runner_v2.model_runner", "ModelRunner._sample", "sampling"),
     ("warmcap.runner_v2.model_runner", "ModelRunner._fetch", "sampling"),
+    ("warmcap.runner_v2.step_result", "PendingTokens.read", "sampling"),
     ("warmcap.graphs.capture.graph_runner", "GraphRunner.replay_step", "graph dispatch"),
     ("warmcap.runner_v2.model_runner", "ModelRunner.forward_batch", "forward"),
     ("warmcap.runner_v2.model_runner", "row_argmax", "head"),
@@ -162,6 +165,11 @@ def install(timers: Timers, engine: Any) -> list[str]:
     return done
 
 
+def async_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``async_scheduling`` for ``LLM`` when the run asks for one (a tree without it gets none)."""
+    return {} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "on"}
+
+
 def prompt_ids(n: int, seed: int) -> list[int]:
     return [(7 * i + 13 * seed + 3) % 400 + 20 for i in range(n)]
 
@@ -185,6 +193,7 @@ def child_split(args: argparse.Namespace) -> dict[str, Any]:
             device="cpu",
             max_num_seqs=max(batches),
             max_model_len=args.prompt_len + tokens + 32,
+            **async_kwargs(args),
         )
         engine = llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -239,7 +248,9 @@ def child_generate(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     n = args.gen_tokens
     ids = prompt_ids(args.prompt_len, 0)
-    llm = LLM("tiny-llama", device="cpu", max_num_seqs=1, max_model_len=len(ids) + n + 16)
+    llm = LLM(
+        "tiny-llama", device="cpu", max_num_seqs=1, max_model_len=len(ids) + n + 16, **async_kwargs(args)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(
         str(resolve_model_path("tiny-llama")), dtype=torch.float32
@@ -289,7 +300,9 @@ def child_positions(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     batch, n, plen, split = 8, 900, 8, 200
-    llm = LLM("tiny-llama", device="cpu", max_num_seqs=batch, max_model_len=plen + n + 16)
+    llm = LLM(
+        "tiny-llama", device="cpu", max_num_seqs=batch, max_model_len=plen + n + 16, **async_kwargs(args)
+    )
     engine = llm.engine
     llm.generate([prompt_ids(plen, 0)], SamplingParams(max_tokens=4, ignore_eos=True))
     timers = Timers()
@@ -366,9 +379,10 @@ def print_split(name: str, results: dict[str, list[dict[str, Any]]]) -> None:
             s = best[t]
             ph = " ".join(f"{s['phases_ms'][p]:>10.3f}" for p in (*HOST_PHASES, *DEVICE_PHASES))
             print(f"{c:<18} {t:<10} {s['host_median_ms']:>9.3f} {s['host_mean_ms']:>7.3f} {ph}")
-        if len(trees) == 2:
-            a, b = best[trees[0]]["host_median_ms"], best[trees[1]]["host_median_ms"]
-            print(f"{c:<18} host {trees[0]}/{trees[1]} = {a / b:.2f}")
+        last = trees[-1]
+        for t in trees[:-1]:
+            a, b = best[t]["host_median_ms"], best[last]["host_median_ms"]
+            print(f"{c:<18} host {t}/{last} = {a / b:.2f}")
 
 
 def main() -> None:
@@ -383,6 +397,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compare", type=Path, default=None, help="another checkout to A/B against")
+    parser.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off", "both"),
+        default="auto",
+        help="this tree's engines with async scheduling on, off, or both A/B in one run (auto: the default)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -390,19 +410,28 @@ def main() -> None:
         return
     if args.compare is not None and not (args.compare / "src" / "warmcap").is_dir():
         parser.error(f"--compare {str(args.compare)!r} has no src/warmcap: give a warmcap checkout")
-    trees = {"this": TREE}
-    if args.compare is not None:
-        trees["baseline"] = args.compare.resolve()
     argv = [a for a in sys.argv[1:] if a]
+    # name -> (checkout, this run's argv for it)
+    trees: dict[str, tuple[Path, list[str]]] = {"this": (TREE, argv)}
+    if args.async_scheduling == "both":
+        plain = _without(argv, "--async-scheduling")
+        trees = {
+            "sync": (TREE, [*plain, "--async-scheduling", "off"]),
+            "async": (TREE, [*plain, "--async-scheduling", "on"]),
+        }
+    if args.compare is not None:
+        trees["baseline"] = (args.compare.resolve(), _without(argv, "--async-scheduling"))
     # A child runs its own rounds for these modes; the parent alternates trees per round for split.
     outer = args.rounds if args.mode == "split" else 1
-    child_argv = [*_without(argv, "--rounds"), "--rounds", "1"] if args.mode == "split" else argv
     results: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
     print(
         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, mode {args.mode}, threads {args.threads}"
     )
     for r in range(outer):
-        for t, path in trees.items():
+        for t, (path, tree_argv) in trees.items():
+            child_argv = (
+                [*_without(tree_argv, "--rounds"), "--rounds", "1"] if args.mode == "split" else tree_argv
+            )
             before = load()
             res = run_child(path, args, _without(child_argv, "--compare"))
             results[t].append(res)

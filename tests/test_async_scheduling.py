@@ -218,3 +218,31 @@ def _engine_auto() -> LLMEngine:
         scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64),
     )
     return LLMEngine(config, startup_hooks=[])
+
+
+def test_decode_steps_take_the_previous_tokens_on_the_device_unread() -> None:
+    """Without drafts, step N+1 runs before step N's tokens are read: its input ids come from step
+    N's samples on the device (the host holds placeholders until the read)."""
+    engine = _engine(True)
+    runner = engine.runner
+    unread_at_forward: list[bool] = []
+    forward = runner.forward_batch
+
+    def watched(num_tokens, metas):
+        unread_at_forward.append(any(r.pending for r in runner._pending))
+        return forward(num_tokens, metas)
+
+    runner.forward_batch = watched
+    prompts = _prompts(3)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 9, 14)]
+    # A seeded random request takes the same path (its token is whatever the sampler drew).
+    params[2] = SamplingParams(temperature=0.9, seed=11, max_tokens=14, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _engine(False).generate(prompts, params)]
+    # Every decode step after the first ran with the previous step's tokens still unread.
+    assert sum(unread_at_forward) >= 15
+    # Once read, the host batch holds the real tokens in the placeholders' places (the longest
+    # request still has its row: its end reaches the runner with the next step).
+    batch = runner.batch
+    row = batch.row_of[outs[0].request_id]
+    assert batch.token_ids[row, : batch.num_tokens[row]].tolist() == prompts[0] + outs[0].token_ids

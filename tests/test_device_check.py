@@ -66,6 +66,9 @@ def test_gpu_checks_pass_on_cpu_with_static_graphs(tmp_path, monkeypatch) -> Non
     assert cost["audit"]["slots_checked"] > 0 and cost["audit"]["violations"] == 0
     assert cost["no_audit"]["audit_enabled"] is False and cost["no_audit"]["slots_checked"] is None
     assert any(line.startswith("PASS  audit_cost") for line in lines)
+    # One step in flight gives the synchronous tokens; on CPU the default stays synchronous.
+    flight = results["checks"]["async_scheduling"]
+    assert flight["tokens_identical"] and flight["default_is_async"] is False
 
     monkeypatch.setenv("OUT", str(tmp_path))
     written = json.loads(Path(out_path(results)).read_text())

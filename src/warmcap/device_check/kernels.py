@@ -80,3 +80,56 @@ def host_syncs(ctx: CheckContext) -> dict[str, Any]:
         "engines": rows,
         "summary": [f"{r['engine']}: {r['per_step']:.2f} synchronising calls a decode step" for r in rows],
     }
+
+
+@check("async_scheduling")
+def async_scheduling(ctx: CheckContext) -> dict[str, Any]:
+    """One step in flight against the synchronous engine: greedy tokens identical, and decode
+    tokens a second of each, with graphs captured. On CUDA async scheduling is the default (the
+    host's scheduling and output work hide behind the forward), so the check also says whether
+    the default engine took it."""
+    import time
+    from dataclasses import replace
+
+    from warmcap.engine import LLMEngine
+    from warmcap.graphs.startup import capture_graphs
+    from warmcap.sampling_params import SamplingParams
+
+    case = EngineCase("smollm2-135m", "bfloat16" if ctx.device.type == "cuda" else "float32")
+    base = ctx.config(case)
+    # Long enough on a GPU for a rate; the CPU dry run checks the tokens.
+    new = ctx.max_tokens * (4 if ctx.device.type == "cuda" else 1)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    rows: dict[str, dict[str, Any]] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for name, value in (("default", None), ("sync", False), ("async", True)):
+        config = replace(base, scheduler=replace(base.scheduler, async_scheduling=value))
+        engine = LLMEngine(config, startup_hooks=[])
+        try:
+            capture_graphs(engine.runner, engine.kv_cache_manager, backend=ctx.backend)
+            engine.generate(list(ctx.prompts[:1]), [params])  # warm the paths
+            start = time.perf_counter()
+            outs = engine.generate(list(ctx.prompts), [params] * len(ctx.prompts))
+            seconds = time.perf_counter() - start
+            tokens[name] = [o.token_ids for o in outs]
+            rows[name] = {
+                "async_scheduling": bool(engine.config.scheduler.async_scheduling),
+                "tokens_per_s": sum(map(len, tokens[name])) / seconds,
+            }
+        finally:
+            engine.shutdown()
+    identical = tokens["sync"] == tokens["async"] == tokens["default"]
+    default_async = rows["default"]["async_scheduling"]
+    ratio = rows["async"]["tokens_per_s"] / rows["sync"]["tokens_per_s"]
+    return {
+        "ok": identical and default_async == (ctx.device.type == "cuda"),
+        "tokens_identical": identical,
+        "default_is_async": default_async,
+        "async_over_sync": ratio,
+        "engines": rows,
+        "summary": [
+            f"{case.label}: tokens identical {identical}; default async {default_async}; "
+            f"async {rows['async']['tokens_per_s']:.0f} tok/s vs sync {rows['sync']['tokens_per_s']:.0f} "
+            f"({ratio:.2f}x)"
+        ],
+    }

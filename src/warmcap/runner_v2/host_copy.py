@@ -56,7 +56,10 @@ class HostCopy:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pinned: torch.Tensor | None = None
+        # Two buffers, used in turn: with one step in flight a step's copy is started before the
+        # previous one is read.
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
 
     def fetch(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Host copies of ``parts`` (integer or bool tensors, any shapes), with one wait.
@@ -72,8 +75,8 @@ class HostCopy:
         """Start copying ``parts`` to the host and return at once (async scheduling reads them a
         step later). On CPU the parts are copied now (host tensors a later step may overwrite).
 
-        NOTE: one copy in flight at a time: :meth:`PendingCopy.wait` must come before the next
-        :meth:`start` or :meth:`fetch` reuses the pinned buffer.
+        NOTE: two copies may be in flight (the buffers alternate): a copy must be read before the
+        second :meth:`start` or :meth:`fetch` after it reuses its buffer.
         """
         if self.device.type != "cuda":
             return PendingCopy([p.to("cpu", copy=True) for p in parts])
@@ -85,9 +88,12 @@ class HostCopy:
         return PendingCopy(parts, pinned, done)
 
     def _buffer(self, numel: int) -> torch.Tensor:
-        if self._pinned is None or self._pinned.numel() < numel:
-            self._pinned = torch.empty(max(numel, 1024), dtype=torch.int64, pin_memory=True)
-        return self._pinned
+        self._turn ^= 1
+        buf = self._pinned[self._turn]
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1024), dtype=torch.int64, pin_memory=True)
+            self._pinned[self._turn] = buf
+        return buf
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

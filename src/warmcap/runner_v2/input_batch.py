@@ -240,6 +240,19 @@ class InputBatch:
         self.token_ids[owners, self.num_tokens[owners] + offsets] = flat
         self.num_tokens[rows] += lens.astype(np.int32)
 
+    def reserve_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """Async scheduling: one token each ``rows`` sampled that is still on the device. Each row
+        grows by a placeholder (-1) the next step's inputs take from the device, and
+        :meth:`fill_tokens` replaces once read; returns where each went."""
+        positions = self.num_tokens[rows].astype(np.int64)
+        self.token_ids[rows, positions] = -1
+        self.num_tokens[rows] += 1
+        return positions
+
+    def fill_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: Sequence[int]) -> None:
+        """The reserved tokens of :meth:`reserve_tokens`, read."""
+        self.token_ids[rows, positions] = tokens
+
     def _set_sampling(self, row: int, params: SamplingParams) -> None:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
@@ -288,6 +301,12 @@ class InputBatch:
                 logits[first : first + num_held, list(stop_ids)] = float("-inf")
             first += n
         return logits
+
+    @property
+    def may_shape_logits(self) -> bool:
+        """Whether any row has a setting that may shape its logits (a penalty or ``min_tokens``),
+        reading its token ids on the host."""
+        return bool(self._shaping_rows)
 
     def shapes_logits(self, step: StepInputs) -> bool:
         """Whether :meth:`process_logits` would change this step's logits (a penalty, or a stop

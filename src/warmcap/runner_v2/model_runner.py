@@ -29,7 +29,7 @@ from warmcap.runner_v2.collaborators import Drafter, GraphDispatcher
 from warmcap.runner_v2.draft_buffers import DraftBuffers
 from warmcap.runner_v2.draft_context import DraftContext, DraftTokens, StepView
 from warmcap.runner_v2.draft_executor import DraftExecutor
-from warmcap.runner_v2.host_copy import HostCopy
+from warmcap.runner_v2.host_copy import HostCopy, to_device
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
 from warmcap.runner_v2.kv_writes import KVWriteLog
@@ -38,7 +38,7 @@ from warmcap.runner_v2.prompt_logprobs import PromptLogprobsPart, prompt_logprob
 from warmcap.runner_v2.rejection import Verified, greedy_verify_on_device, probabilistic_verify_on_device
 from warmcap.runner_v2.sampler import Sampler, SamplingMetadata, row_argmax
 from warmcap.runner_v2.step_buffers import StepBuffers
-from warmcap.runner_v2.step_result import PendingTokens, StepResult, spread
+from warmcap.runner_v2.step_result import PendingTokens, StepResult, TokenFeed, spread
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
@@ -151,7 +151,7 @@ class ModelRunner:
         #: and its drafts placeholders; the runner takes both from its own state
         self.async_scheduling = bool(config.scheduler.async_scheduling)
         # The step whose tokens are still on their way to the host (async), read before the next.
-        self._pending: StepResult | None = None
+        self._pending: list[StepResult] = []
         # The latest step's drafts on the host, per request (what the next async step verifies).
         self._proposals: dict[str, list[int]] = {}
         self.last_step: StepInputs | None = None
@@ -259,14 +259,50 @@ class ModelRunner:
         return self._run(sched_out, defer=self.drafter is None and not self.state_handlers)
 
     def resolve_pending(self) -> None:
-        """Read the tokens of the step still in flight, if any, into the persistent batch."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Read the tokens of the steps still in flight, if any, into the persistent batch."""
+        pending, self._pending = self._pending, []
+        for record in pending:
+            record.result()
+
+    def _settle(self, sched_out: SchedulerOutput) -> TokenFeed | None:
+        """Before a step: read every step still in flight, except the latest when its tokens can
+        feed this step from the device (returned): the batch's rows stay theirs (no request leaves
+        this step) and no logits processing needs the token ids on the host."""
+        pending = [r for r in self._pending if r.pending]
+        latest = pending[-1] if pending else None
+        feedable = (
+            latest is not None
+            and latest.feed is not None
+            and not sched_out.finished_req_ids
+            and not sched_out.preempted_req_ids
+            and not self.batch.may_shape_logits
+        )
+        for record in pending[:-1] if feedable else pending:
+            record.result()
+        self._pending = [latest] if feedable else []
+        return latest.feed if feedable else None
+
+    def _feed(self, step: StepInputs, feed: TokenFeed) -> None:
+        """Have the buffers take ``step``'s token ids the host holds as placeholders from the
+        previous step's samples on the device."""
+        ids = step.input_ids
+        dst = np.flatnonzero(ids < 0)
+        if not len(dst):
+            return
+        owners = (
+            step.rows[dst]
+            if step.num_tokens == step.num_reqs
+            else np.repeat(step.rows, step.num_scheduled)[dst]
+        )
+        src = feed.index[owners]
+        device = self.device
+        values = feed.tokens.index_select(0, to_device(torch.from_numpy(src), device)).clamp_min_(0)
+        self.buffers.feed_input_ids(to_device(torch.from_numpy(dst), device), values)
 
     def _run(self, sched_out: SchedulerOutput, *, defer: bool) -> StepResult:
-        # The step in flight's tokens are the next inputs: read them before this step's deltas.
-        self.resolve_pending()
+        # The steps in flight's tokens are the next inputs: read them before this step's deltas,
+        # unless the latest one's can feed this step on the device.
+        feed = self._settle(sched_out)
         if self.async_scheduling and sched_out.scheduled_spec_decode_tokens:
             sched_out = self._with_proposals(sched_out)
         self.batch.update(sched_out)
@@ -289,6 +325,8 @@ class ModelRunner:
             num_drafts = [len(d) for d in step.draft_token_ids]
             for handler in handlers:
                 handler.begin_step(step.req_ids, step.block_tables, num_drafts)
+        if feed is not None:
+            self._feed(step, feed)
         # A captured graph that fits replays the step; otherwise it runs eagerly.
         replay = self.graphs.replay_step(step) if self.graphs is not None else None
         if replay is None:
@@ -312,7 +350,13 @@ class ModelRunner:
         record = StepResult(step=step, logits=self.last_logits, prompt_logprobs=self.last_prompt_logprobs)
         record._finish = lambda rec: self._finish_step(rec, sched_out, step, hidden, tokens)
         if isinstance(tokens, PendingTokens):
-            self._pending = record
+            if tokens.device_tokens is not None:
+                # One token a sampling row, still on the device: the next step may take it there.
+                rows = step.rows if tokens.samples is None else step.rows[step.num_logits > 0]
+                index = np.full(self.max_num_reqs, -1, dtype=np.int64)
+                index[rows] = np.arange(len(rows))
+                record.feed = TokenFeed(rows, self.batch.reserve_tokens(rows), tokens.device_tokens, index)
+            self._pending.append(record)
         else:
             record.result()
         return record
@@ -327,6 +371,7 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """The step's output once its tokens are on the host: they join the persistent batch, the
         state handlers commit, the drafter proposes."""
+        feed = record.feed
         if isinstance(tokens, PendingTokens):
             sampled, flag = tokens.read()
             if tokens.flag and record.logits is None and flag:
@@ -348,7 +393,12 @@ class ModelRunner:
             seq_lens = step.seq_lens.tolist()
             for handler in handlers:
                 handler.finish_step(step.req_ids, seq_lens, sampled)
-        self.batch.append_sampled(step.rows, sampled)
+        if feed is None:
+            self.batch.append_sampled(step.rows, sampled)
+        else:
+            # Their places were reserved when the step ran (the next step may have read them).
+            self.batch.fill_tokens(feed.rows, feed.positions, [s[0] for s in sampled if s])
+            record.feed = None
         self.draft_tokens = self._propose(sched_out, step, sampled, hidden)
         # The scheduler keeps its requests' drafts on the host: one read of the step's drafts.
         drafts = self.draft_tokens.to_lists() if self.draft_tokens is not None else {}
@@ -564,9 +614,11 @@ class ModelRunner:
     def _pending_tokens(
         self, result: torch.Tensor | Verified, flag: torch.Tensor | None, samples: list[bool] | None
     ) -> PendingTokens:
-        parts = result.parts if isinstance(result, Verified) else [result]
+        verified = isinstance(result, Verified)
+        parts = result.parts if verified else [result]
         copy = self.host_copy.start([*parts, flag] if flag is not None else parts)
-        return PendingTokens(copy, isinstance(result, Verified), flag is not None, samples)
+        device_tokens = None if verified else result.reshape(-1).to(torch.int64)
+        return PendingTokens(copy, verified, flag is not None, samples, device_tokens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, PromptLogprobsPart]:
         """The prompt logprobs of the step's prompt tokens, for the requests that asked for them.

@@ -48,6 +48,8 @@ class StepBuffers:
         self.max_blocks_per_req = max_blocks_per_req
         self.group_block_sizes = dict(group_block_sizes)
         self.device = torch.device(device)
+        # (index, values) the next copy_from writes into input_ids on the device (feed_input_ids)
+        self._feed: tuple[torch.Tensor, torch.Tensor] | None = None
         rows = self.num_rows
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(max_num_tokens, dtype=i64, device=device)
@@ -128,7 +130,16 @@ class StepBuffers:
             self.input_ids[:tp].copy_(self._stage_input_ids[:tp], non_blocking=True)
             self.logits_indices[:n].copy_(self._stage_logits[:n], non_blocking=True)
             self._mark_uploaded()
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            # Token ids still on the device (the previous step's samples, async scheduling).
+            self.input_ids.index_copy_(0, *feed)
         self.num_logits = n
+
+    def feed_input_ids(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Have the next :meth:`copy_from` overwrite ``input_ids[index]`` with ``values`` (device
+        tensors) after loading the step: token ids the host does not hold yet."""
+        self._feed = (index, values)
 
     def load_layout(
         self,

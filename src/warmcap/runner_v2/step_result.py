@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from warmcap.core.outputs import ModelRunnerOutput
@@ -35,6 +36,8 @@ class PendingTokens:
     verified: bool
     flag: bool
     samples: list[bool] | None
+    #: the sampled tokens on the device, one a sampling request (None: a verify step's)
+    device_tokens: torch.Tensor | None = None
 
     def read(self) -> tuple[list[list[int]], bool | None]:
         """Each request's tokens (``[]`` for one that sampled nothing) and the flag's value."""
@@ -53,6 +56,21 @@ def spread(produced: list[list[int]], samples: list[bool] | None) -> list[list[i
 
 
 @dataclass(slots=True)
+class TokenFeed:
+    """The sampled tokens of a step in flight, kept on the device for the next step's inputs.
+
+    ``rows``: the persistent-batch rows that sampled one token each, in ``tokens`` order;
+    ``positions``: where each row's token goes (its length before the step); the host batch holds
+    a placeholder (-1) there until the step is read. ``index``: row -> position in ``tokens``.
+    """
+
+    rows: np.ndarray
+    positions: np.ndarray
+    tokens: torch.Tensor
+    index: np.ndarray
+
+
+@dataclass(slots=True)
 class StepResult:
     """One executed step: ``result()`` is its :class:`ModelRunnerOutput`.
 
@@ -64,6 +82,8 @@ class StepResult:
     """
 
     step: object | None = None
+    #: set when the step's tokens feed the next step on the device (async, no drafts)
+    feed: TokenFeed | None = None
     logits: torch.Tensor | None = None
     logits_finite: bool | None = None
     nonfinite_req_ids: list[str] = field(default_factory=list)
