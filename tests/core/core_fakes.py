@@ -63,6 +63,7 @@ def make_scheduler(
     kv_role: str = "none",
     groups: list[KVCacheGroup] | None = None,
     eos_token_id: int | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     config = EngineConfig(
         cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_caching),
@@ -71,6 +72,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked_prefill,
+            async_scheduling=async_scheduling,
         ),
         speculative=SpeculativeConfig.parse(spec),
         kv_role=kv_role,
