@@ -129,6 +129,24 @@ def test_pushed_text_equals_the_whole_decode_at_every_step(name: str, skip: bool
     check()
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_byte_fallback_space_taken_back_by_an_invalid_byte_reads_as_the_whole_decode(skip: bool) -> None:
+    """Found by the property above: a byte-fallback space (committed: complete text) then a lone
+    continuation byte, which turns the whole byte run into U+FFFD. Decoded alone the space's token
+    reads as "" (the decoder drops a leading space), so only a window read mid-text sees that."""
+    tok = tokenizer("sentencepiece-style")
+    space, invalid = tok.convert_tokens_to_ids(["<0x20>", "<0x80>"])
+    stream = TextDecoder(tok, skip_special_tokens=skip).stream()
+    ids: list[int] = []
+    for cut in ([tok.unk_token_id], [space], [invalid], [tok.unk_token_id]):
+        ids += cut
+        stream.push(cut)
+        whole = tok.decode(ids, skip_special_tokens=skip)
+        if not whole.endswith(REPLACEMENT):
+            assert (stream.text, stream.tail) == (whole, "")
+    assert stream.final() == tok.decode(ids, skip_special_tokens=skip)
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_a_push_decodes_a_window_not_the_whole_output(name: str) -> None:
     """Pushing ordinary text token by token decodes a few ids per push however long the text."""
@@ -145,8 +163,10 @@ def test_a_push_decodes_a_window_not_the_whole_output(name: str) -> None:
             assert stream.full == tok.decode(ids[: i + 1], skip_special_tokens=True)
     assert stream.full == tok.decode(ids, skip_special_tokens=True)
     assert len(ids) > 600
-    # an emoji is 4 byte tokens at most, each re-read with its context
-    assert max(per_push) <= 2 * 6, per_push
+    # an emoji is 4 byte tokens at most, each re-read with its context; a decoder that needs
+    # context decodes the window and the next context each after one anchor token
+    anchor = 0 if decoder.context_free else 1
+    assert max(per_push) <= 2 * (6 + anchor), per_push
 
 
 def test_a_tokenizer_that_cleans_up_spaces_decodes_whole_and_stays_exact() -> None:

@@ -36,6 +36,8 @@ class TextDecoder:
     """
 
     __slots__ = (
+        "_anchor",
+        "_anchor_text",
         "_raw",
         "context_free",
         "local",
@@ -59,6 +61,16 @@ class TextDecoder:
         if backend is not None and skip_special_tokens:
             added = backend.get_added_tokens_decoder()
             self.skipped = frozenset(i for i, tok in added.items() if tok.special)
+        # A plain token decoded before ids that do not start the text, then cut off: they read as
+        # they do mid-text (a Metaspace decoder drops the first token's leading space, and a
+        # byte-fallback run's text is only seen whole after something else).
+        self._anchor: list[int] = []
+        self._anchor_text = ""
+        if backend is not None and not self.context_free:
+            anchor = backend.encode("a", add_special_tokens=False).ids[-1:]
+            text = backend.decode(anchor, skip_special_tokens=skip_special_tokens)
+            if anchor and text and REPLACEMENT not in text:
+                self._anchor, self._anchor_text = anchor, text
         self._raw: Callable[[Sequence[int]], str]
         if tokenizer is None:
             self._raw = lambda ids: ""
@@ -73,6 +85,13 @@ class TextDecoder:
         """``token_ids`` decoded whole: exactly the tokenizer's ``decode`` with these options."""
         self.tokens_decoded += len(token_ids)
         return self._raw(token_ids)
+
+    def after_text(self, token_ids: Sequence[int]) -> str | None:
+        """``token_ids``' text as it reads after earlier text (None: it cannot be told apart)."""
+        if not self._anchor:
+            return self(token_ids)
+        text = self([*self._anchor, *token_ids])
+        return text[len(self._anchor_text) :] if text.startswith(self._anchor_text) else None
 
     def stream(self) -> TextStream:
         """A new, empty per-request stream."""
@@ -122,6 +141,7 @@ class TextStream:
         "_all",
         "_context",
         "_dec",
+        "_mid",
         "_num_context",
         "_whole",
         "_window",
@@ -141,6 +161,8 @@ class TextStream:
         self._num_context = 0
         #: the context ids' own decode, cut off the window's text
         self._context = ""
+        #: the window no longer starts the text: decode it as it reads mid-text
+        self._mid = False
         #: every id pushed, where the stream may have to decode them whole (all but byte-level BPE)
         self._all: list[int] | None = None if decoder.context_free else []
         #: decode everything each push: a decoder that is not local, or a window that stopped reading
@@ -178,7 +200,10 @@ class TextStream:
             return
         window = self._window
         window.extend(kept)
-        text = dec(window)
+        text = dec.after_text(window) if self._mid else dec(window)
+        if text is None:
+            self._go_whole()
+            return
         context = self._context
         if text.endswith(REPLACEMENT):
             # NOTE: with sentencepiece's byte fallback, an incomplete character turns its whole run of
@@ -191,13 +216,16 @@ class TextStream:
         if not text.startswith(context):
             # The context reads differently for good: a run of byte-fallback tokens with an invalid
             # byte reads as U+FFFD throughout, text already committed included. Decode whole from now.
-            self._whole = True
-            assert self._all is not None  # a context is kept only where every id is
-            self.text, self.tail = _split_incomplete(dec(self._all))
+            self._go_whole()
             return
         self.text += text[len(context) :]
         self.tail = ""
         self._commit(len(window))
+
+    def _go_whole(self) -> None:
+        self._whole = True
+        assert self._all is not None  # a context is kept only where every id is
+        self.text, self.tail = _split_incomplete(self._dec(self._all))
 
     def _commit(self, end: int) -> None:
         """Ids ``window[:end]`` are in ``text`` now; the next window starts after them, or (for a
@@ -207,10 +235,16 @@ class TextStream:
             del window[:end]
             self._num_context, self._context = 0, ""
             return
-        del window[: self._num_context]
+        if self._num_context:
+            del window[: self._num_context]
+            self._mid = True
         end -= self._num_context
         self._num_context = end
-        self._context = self._dec(window[:end])
+        context = self._dec.after_text(window[:end]) if self._mid else self._dec(window[:end])
+        if context is None:
+            self._go_whole()
+            return
+        self._context = context
 
     def _split_pending(self, text: str) -> None:
         """Commit held-back ids up to the last one after which the bytes read afresh (the pending

@@ -48,14 +48,19 @@ def _strays(engine: LLMEngine, held: list[dict[str, dict[str, list[int]]]]) -> l
 def test_a_loading_request_waits_then_drafts_only_inside_its_blocks(spec: str) -> None:
     engine = _consumer(spec)
     held: list[dict[str, dict[str, list[int]]]] = []
-    execute = engine.runner.execute_model
 
-    def snapshot_then_execute(sched_out):
-        # The blocks each request holds when its step runs: what the audit checks writes against.
-        held.append({r: engine.kv_cache_manager.get_block_ids(r) for r in engine.scheduler.requests})
-        return execute(sched_out)
+    def snapshotting(execute):
+        def snapshot_then_execute(sched_out):
+            # The blocks each request holds when its step runs: what the audit checks writes against.
+            held.append({r: engine.kv_cache_manager.get_block_ids(r) for r in engine.scheduler.requests})
+            return execute(sched_out)
 
-    engine.runner.execute_model = snapshot_then_execute
+        return snapshot_then_execute
+
+    # The test drives the runner itself (execute_model), then the engine (execute_model_result).
+    runner = engine.runner
+    runner.execute_model = snapshotting(runner.execute_model)
+    runner.execute_model_result = snapshotting(runner.execute_model_result)
     rng = random.Random(0)
     # 32 prompt tokens, 31 of them loaded: the one computed token sits at the end of block 1, so any
     # draft write lands past the request's blocks unless the lookahead was reserved.

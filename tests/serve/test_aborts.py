@@ -134,7 +134,7 @@ def test_a_failed_step_ends_its_own_requests_only(server, monkeypatch) -> None:
     """A step that fails (here: a forward raising) ends the requests it ran with a 500; a request
     waiting in the queue meanwhile runs afterwards and completes with its own text."""
     engine = server.state.loop.engine
-    step, execute = engine.step, engine.runner.execute_model
+    step, execute = engine.step, engine.runner.execute_model_result
     armed = threading.Event()
 
     def slow_step():  # a slower model: the running streams are still running when the step fails
@@ -148,7 +148,7 @@ def test_a_failed_step_ends_its_own_requests_only(server, monkeypatch) -> None:
         return execute(sched_out)
 
     monkeypatch.setattr(engine, "step", slow_step)
-    monkeypatch.setattr(engine.runner, "execute_model", failing_execute)
+    monkeypatch.setattr(engine.runner, "execute_model_result", failing_execute)
     body = {"model": MODEL, "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}
     url = server.base_url + "/v1/completions"
     alone = _post(server, "/v1/completions", prompt="The capital of France is", max_tokens=8, temperature=0)
