@@ -80,6 +80,8 @@ PATCHES: tuple[tuple[str, str, str], ...] = (
     ("warmcap.core.scheduler", "Scheduler.schedule", "scheduler"),
     ("warmcap.core.scheduler", "Scheduler.update_from_output", "scheduler"),
     ("warmcap.runner_v2.model_runner", "ModelRunner.execute_model", "runner"),
+    ("warmcap.runner_v2.model_runner", "ModelRunner.execute_model_result", "runner"),
+    ("warmcap.runner_v2.model_runner", "ModelRunner.execute_model_async", "runner"),
     ("warmcap.runner_v2.model_runner", "ModelRunner._run", "runner"),
     ("warmcap.runner_v2.model_runner", "ModelRunner._finish_step", "runner"),
     ("warmcap.runner_v2.input_batch", "InputBatch.update", "prepare inputs"),

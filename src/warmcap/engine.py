@@ -439,10 +439,11 @@ class LLMEngine:
             self._fail_steps([sched_out])
             raise
         now = time.monotonic()
-        for req_id, part in record.prompt_logprobs.items():
-            tracked = self._requests.get(req_id)
-            if tracked is not None:
-                tracked.add_prompt_logprobs(part, self.decode)
+        if record.prompt_logprobs:
+            for req_id, part in record.prompt_logprobs.items():
+                tracked = self._requests.get(req_id)
+                if tracked is not None:
+                    tracked.add_prompt_logprobs(part, self.decode)
         outputs = []
         for res in results:
             tracked = self._requests.get(res.req_id)

@@ -268,6 +268,8 @@ class ModelRunner:
         """Before a step: read every step still in flight, except the latest when its tokens can
         feed this step from the device (returned): the batch's rows stay theirs (no request leaves
         this step) and no logits processing needs the token ids on the host."""
+        if not self._pending:
+            return None
         pending = [r for r in self._pending if r.pending]
         latest = pending[-1] if pending else None
         feedable = (

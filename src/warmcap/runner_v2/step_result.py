@@ -11,8 +11,8 @@ to the persistent batch (the next step's inputs are built after them).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ class StepResult:
     ``logits_finite``: whether every row of them is finite (known once the tokens are read);
     ``nonfinite_req_ids``: requests the greedy head found a non-finite row for, in a step whose
     tokens were read late (those requests must fail; their token is a stand-in);
-    ``prompt_logprobs``: per request, what the step computed.
+    ``prompt_logprobs``: per request, what the step computed (None or empty: none).
     """
 
     step: object | None = None
@@ -86,8 +86,8 @@ class StepResult:
     feed: TokenFeed | None = None
     logits: torch.Tensor | None = None
     logits_finite: bool | None = None
-    nonfinite_req_ids: list[str] = field(default_factory=list)
-    prompt_logprobs: dict[str, PromptLogprobsPart] = field(default_factory=dict)
+    nonfinite_req_ids: Sequence[str] = ()
+    prompt_logprobs: Mapping[str, PromptLogprobsPart] | None = None
     _output: ModelRunnerOutput | None = None
     _finish: Callable[[StepResult], ModelRunnerOutput] | None = None
 
