@@ -345,10 +345,16 @@ def generate(
             **flat,
         )
     out = Console()
+    streamed = False
     try:
         for delta in llm.engine.stream(prompt_ids, params):
             out.print(delta, end="", highlight=False, markup=False, soft_wrap=True)
-    except AuditViolationError as exc:
+            streamed = True
+    except BaseException as exc:
+        if streamed:
+            out.print()  # the text so far ends its line: an error that follows gets a line of its own
+        if not isinstance(exc, AuditViolationError):
+            raise
         # Not the user's input: warmcap wrote KV outside a request's blocks, so exit 1, not 2. A
         # model whose logits turn non-finite is an unusable model given, like any other (exit 2).
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
