@@ -246,3 +246,20 @@ def test_decode_steps_take_the_previous_tokens_on_the_device_unread() -> None:
     batch = runner.batch
     row = batch.row_of[outs[0].request_id]
     assert batch.token_ids[row, : batch.num_tokens[row]].tolist() == prompts[0] + outs[0].token_ids
+
+
+def test_logprobs_prompt_logprobs_penalties_and_min_tokens_are_the_synchronous_ones() -> None:
+    """Each step's logits and prompt logprobs travel with its result, read a step late; rows whose
+    logits are shaped (penalties, min_tokens) read the tokens in flight before the next step."""
+    prompts = _prompts(3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=9, min_tokens=6, presence_penalty=0.5),
+    ]
+    want = _engine(False).generate(prompts, params)
+    got = _engine(True).generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert got[0].outputs[0].logprobs == want[0].outputs[0].logprobs and len(got[0].outputs[0].logprobs) == 12
+    assert got[0].prompt_logprobs == want[0].prompt_logprobs and got[0].prompt_logprobs[1] is not None
