@@ -90,17 +90,31 @@ def _started_cli(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
     """The CLI generating 1000 tokens at TP=2, once the first have come (so its worker is stepping)."""
     log = tmp_path / "cli.log"
     proc = subprocess.Popen([*CLI, *LONG], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the worker never started generating"
-        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
-        if workers and log.read_text().strip():
-            maps = Path(f"/proc/{workers[0].pid}/maps").read_text()
-            # Unlinked once mapped: the mapping is all that is left of the name.
-            assert re.search(rf"/dev/shm/{PREFIX}{proc.pid}-\w+ \(deleted\)", maps), maps[-2000:]
-            return proc, workers[0].pid, log
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the worker never started generating"
+            workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in _cmdline(c)]
+            if workers and log.read_text().strip():
+                maps = Path(f"/proc/{workers[0].pid}/maps").read_text()
+                # Unlinked once mapped: the mapping is all that is left of the name.
+                assert re.search(rf"/dev/shm/{PREFIX}{proc.pid}-\w+ \(deleted\)", maps), maps[-2000:]
+                return proc, workers[0].pid, log
+            time.sleep(0.05)
+    except BaseException:
+        # A helper that failed must not leave the CLI and its worker behind for the next test.
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _cmdline(process: psutil.Process) -> str:
+    """A child's command line; "" for one that has just exited (a zombie not yet reaped, or gone)."""
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return ""
 
 
 @pytest.mark.slow
