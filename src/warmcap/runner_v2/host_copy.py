@@ -33,6 +33,13 @@ class PendingCopy:
         self._done = done
         self._result: list[torch.Tensor] | None = None
 
+    @classmethod
+    def done(cls, host: list[torch.Tensor]) -> PendingCopy:
+        """A copy already made (``host``: what :meth:`HostCopy.fetch` returned)."""
+        copy = cls(host)
+        copy._result = host
+        return copy
+
     def wait(self) -> list[torch.Tensor]:
         if self._result is not None:
             return self._result

@@ -29,7 +29,7 @@ from warmcap.runner_v2.collaborators import Drafter, GraphDispatcher
 from warmcap.runner_v2.draft_buffers import DraftBuffers
 from warmcap.runner_v2.draft_context import DraftContext, DraftTokens, StepView
 from warmcap.runner_v2.draft_executor import DraftExecutor
-from warmcap.runner_v2.host_copy import HostCopy, to_device
+from warmcap.runner_v2.host_copy import HostCopy, PendingCopy, to_device
 from warmcap.runner_v2.input_batch import InputBatch, StepInputs
 from warmcap.runner_v2.kv_cache import KVCaches
 from warmcap.runner_v2.kv_writes import KVWriteLog
@@ -38,7 +38,7 @@ from warmcap.runner_v2.prompt_logprobs import PromptLogprobsPart, prompt_logprob
 from warmcap.runner_v2.rejection import Verified, greedy_verify_on_device, probabilistic_verify_on_device
 from warmcap.runner_v2.sampler import Sampler, SamplingMetadata, row_argmax
 from warmcap.runner_v2.step_buffers import StepBuffers
-from warmcap.runner_v2.step_result import PendingTokens, StepResult, TokenFeed, spread
+from warmcap.runner_v2.step_result import PendingTokens, StepResult, TokenFeed
 
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
@@ -589,11 +589,12 @@ class ModelRunner:
             # A head that declines rows on the device (a negative id: a non-finite row) says so
             # in the step's one fetch; the step then takes the full logits instead.
             declined = (greedy < 0).any() if getattr(self.greedy_head, "declines_on_device", False) else None
+            tokens = self._tokens(result, declined, samples, defer=defer)
             if defer:
-                return self._pending_tokens(result, declined, samples)
-            produced, flag = self._fetch(result, declined)
+                return tokens
+            produced, flag = tokens.read()
             if not flag:
-                return spread(produced, samples)
+                return produced
         logits = self.model.compute_logits(rows)
         self.last_logits = logits
         # NaN or Inf anywhere in a row makes its sum non-finite: one reduction for the batch.
@@ -607,20 +608,33 @@ class ModelRunner:
             result = greedy_verify_on_device(row_argmax(logits), drafts)
         else:
             result = self._verify_random(logits, meta, step, drafts)
+        tokens = self._tokens(result, finite, samples, defer=defer)
         if defer:
-            return self._pending_tokens(result, finite, samples)
-        produced, flag = self._fetch(result, finite)
+            return tokens
+        produced, flag = tokens.read()
         self.last_logits_finite = bool(flag)
-        return spread(produced, samples)
+        return produced
 
-    def _pending_tokens(
-        self, result: torch.Tensor | Verified, flag: torch.Tensor | None, samples: list[bool] | None
+    def _tokens(
+        self,
+        result: torch.Tensor | Verified,
+        flag: torch.Tensor | None,
+        samples: list[bool] | None,
+        *,
+        defer: bool,
     ) -> PendingTokens:
+        """The step's tokens with a device flag (None: none), in one copy: read now, in one wait,
+        or (``defer``) still on their way to the host, the sampled ids kept on the device too."""
         verified = isinstance(result, Verified)
         parts = result.parts if verified else [result]
-        copy = self.host_copy.start([*parts, flag] if flag is not None else parts)
+        if flag is not None:
+            parts = [*parts, flag]
+        if not defer:
+            return PendingTokens(
+                PendingCopy.done(self.host_copy.fetch(parts)), verified, flag is not None, samples
+            )
         device_tokens = None if verified else result.reshape(-1).to(torch.int64)
-        return PendingTokens(copy, verified, flag is not None, samples, device_tokens)
+        return PendingTokens(self.host_copy.start(parts), verified, flag is not None, samples, device_tokens)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> dict[str, PromptLogprobsPart]:
         """The prompt logprobs of the step's prompt tokens, for the requests that asked for them.
@@ -644,18 +658,6 @@ class ModelRunner:
             num_prompt_tokens=b.num_prompt_tokens[step.rows],
             token_ids=b.token_ids,
         )
-
-    def _fetch(
-        self, result: torch.Tensor | Verified, flag: torch.Tensor | None
-    ) -> tuple[list[list[int]], bool | None]:
-        """The step's tokens on the host, with a device flag (None: none), in one copy and one
-        wait."""
-        parts = result.parts if isinstance(result, Verified) else [result]
-        host = self.host_copy.fetch([*parts, flag] if flag is not None else parts)
-        value = bool(host[-1]) if flag is not None else None
-        if isinstance(result, Verified):
-            return Verified.emit(host[0], host[1]), value
-        return [[t] for t in host[0].tolist()], value
 
     def _greedy_argmax(
         self, rows: torch.Tensor, step: StepInputs, meta: SamplingMetadata
