@@ -266,7 +266,8 @@ def main() -> None:
     config = build_config(
         args.model, device="cpu", enforce_eager=args.enforce_eager, speculative_config=args.spec, **sizing
     )
-    started = start_engine(config, capture_sizes=parse_capture_sizes(capture) if capture else None)
+    sizes = tuple(parse_capture_sizes(capture)) if capture else None
+    started = start_engine(config, StartupOptions(capture_sizes=sizes))
     engine = started.engine
     print(
         f"start-up {time.perf_counter() - started_at:.1f} s; refusal: {started.refusal}; "

@@ -42,6 +42,13 @@ EXAMPLES: dict[str, Any] = {
     "tensor_parallel_size": 2,
     "cpu_threads": 1,
     "cpu_threads_bind": "none",
+    "cpu_gemm": "torch",
+    "cpu_layer_ops": "torch",
+    "cpu_attention": "kernel",
+    "cpu_isa": "avx2",
+    "exact_greedy_head": "portable",
+    "fused_ops": "torch",
+    "tp_comm": "gloo",
 }
 ENGINE_COMMANDS = ("plan", "run", "serve", "generate")
 

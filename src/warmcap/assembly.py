@@ -155,7 +155,8 @@ def resident_bytes(
     invariant = config.model.batch_invariant
     packed = prepacked_bytes(present, device, batch_invariant=invariant)
     head_bytes = getattr(model, "greedy_head_bytes", None)
-    screen = head_bytes(device, batch_invariant=invariant) if head_bytes is not None else 0
+    setting = config.kernel.exact_greedy_head
+    screen = head_bytes(device, batch_invariant=invariant, setting=setting) if head_bytes is not None else 0
     return weight_bytes(*present) + packed + screen
 
 

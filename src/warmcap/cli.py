@@ -25,9 +25,12 @@ from warmcap.cli_options import (
     Model,
     Quiet,
     Spec,
+    StartupCache,
     Verbose,
     engine_options,
+    startup_options,
 )
+from warmcap.cli_options import STARTUP_DEFAULTS as _SD
 from warmcap.errors import ConfigError, WarmcapError
 
 app = typer.Typer(
@@ -283,22 +286,11 @@ def generate(
     chat: Annotated[
         bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")
     ] = True,
-    max_model_len: Annotated[
-        int | None,
-        typer.Option(
-            help="Context limit (default: prompt + max_tokens, rounded up to a block; the model's if that is larger)."
-        ),
-    ] = None,
-    enforce_eager: Annotated[
-        bool | None,
-        typer.Option(
-            "--enforce-eager/--capture-graphs",
-            help="Capture no graphs, every step eager (default on CPU, where the static graph backend "
-            "replays eager code and capture would only delay the first token); graphs by default on CUDA.",
-        ),
-    ] = None,
-    audit: Audit = True,
-    audit_serving: AuditServing = False,
+    capture_sizes: CaptureSizes = None,
+    backend: Backend = _SD.backend,
+    audit: Audit = _SD.audit,
+    audit_serving: AuditServing = _SD.audit_serving,
+    startup_cache: StartupCache = _SD.startup_cache,
     quiet: Quiet = False,
     verbose: Verbose = False,
     **engine: Any,
@@ -320,30 +312,28 @@ def generate(
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
     )
+    startup = startup_options(
+        backend=backend,
+        capture_sizes=capture_sizes,
+        audit=audit,
+        audit_serving=audit_serving,
+        startup_cache=startup_cache,
+    )
     speculative = SpeculativeConfig.parse(engine["speculative_config"])
     tokenizer = load_tokenizer(resolve_model_path(model))
     use_chat = chat and getattr(tokenizer, "chat_template", None) is not None
     prompt_ids = _prompt_ids(tokenizer, prompt, chat=use_chat)
-    if max_model_len is None:
+    if engine["max_model_len"] is None:
         lookahead = speculative.num_speculative_tokens if speculative else 0
         wanted = request_context_len(len(prompt_ids), max_tokens, lookahead, block_size=engine["block_size"])
-        max_model_len = _within_model_limit(model, wanted)
+        engine["max_model_len"] = _within_model_limit(model, wanted)
     if engine["max_num_batched_tokens"] is None:
-        engine["max_num_batched_tokens"] = max(engine["max_num_seqs"], min(512, max_model_len or 512))
-    if enforce_eager is None:
-        from warmcap.assembly import resolve_device
-
-        enforce_eager = resolve_device(engine["device"]).type != "cuda"
-    flat = {k: v for k, v in engine.items() if v is not None}
+        context = engine["max_model_len"] if isinstance(engine["max_model_len"], int) else 512
+        engine["max_num_batched_tokens"] = max(engine["max_num_seqs"], min(512, context))
+    if engine["enforce_eager"] is None:
+        engine["enforce_eager"] = serving_enforce_eager(engine["device"])
     with _watched_startup(quiet=quiet, verbose=verbose):
-        llm = LLM(
-            model,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            audit=audit,
-            audit_serving=audit_serving,
-            **flat,
-        )
+        llm = LLM(model, startup=startup, **{k: v for k, v in engine.items() if v is not None})
     out = Console()
     streamed = False
     try:
@@ -413,8 +403,8 @@ def _spec_stats(llm) -> str | None:
 def run(
     model: Model = "smollm2-135m",
     capture_sizes: CaptureSizes = None,
-    backend: Backend = None,
-    audit: Audit = True,
+    backend: Backend = _SD.backend,
+    audit: Audit = _SD.audit,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
     ] = False,
@@ -422,15 +412,8 @@ def run(
         str | None, typer.Option("--out", "-o", help="Also write the JSON report to this file.")
     ] = None,
     strict: Annotated[bool, typer.Option(help="Exit non-zero when any graph fails verification.")] = False,
-    audit_serving: AuditServing = False,
-    startup_cache: Annotated[
-        bool,
-        typer.Option(
-            "--startup-cache/--no-startup-cache",
-            help="Reuse graph verdicts of an identical earlier start (one graph per phase is still "
-            "verified); the cache is $WARMCAP_STARTUP_CACHE or startup/ in the warmcap cache.",
-        ),
-    ] = True,
+    audit_serving: AuditServing = _SD.audit_serving,
+    startup_cache: StartupCache = _SD.startup_cache,
     html: Html = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
@@ -446,7 +429,6 @@ def run(
     _worker_if_launched(engine["tensor_parallel_size"], quiet=quiet, verbose=verbose)
     from pathlib import Path
 
-    from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.graphs.proof.render import render
     from warmcap.startup import run_startup
     from warmcap.warmup.hook import VIOLATION_ADVICE
@@ -455,7 +437,13 @@ def run(
     for path, flag in ((out, "--out"), (html, "--html")):
         if path:
             _check_out_path(path, flag)
-    sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
+    startup = startup_options(
+        backend=backend,
+        capture_sizes=capture_sizes,
+        audit=audit,
+        audit_serving=audit_serving,
+        startup_cache=startup_cache,
+    )
     console = Console()
     if not as_json:
         spec = config.speculative.short() if config.speculative else "none"
@@ -463,14 +451,7 @@ def run(
             f"[bold]warmup run[/] {model} spec={spec}: loading, warmup with audit, graph capture ..."
         )
     with _watched_startup(quiet=quiet, verbose=verbose):
-        result = run_startup(
-            config,
-            backend=backend,
-            capture_sizes=sizes,
-            audit=audit,
-            audit_serving=audit_serving,
-            startup_cache=startup_cache,
-        )
+        result = run_startup(config, startup)
     report = result.report
     # Tensor parallelism: the worker ranks are not needed for printing the report.
     result.engine.shutdown()
@@ -601,9 +582,10 @@ def serve(
         typer.Option(envvar="WARMCAP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* requests."),
     ] = None,
     capture_sizes: CaptureSizes = None,
-    backend: Backend = None,
-    audit: Audit = True,
-    audit_serving: AuditServing = False,
+    backend: Backend = _SD.backend,
+    audit: Audit = _SD.audit,
+    audit_serving: AuditServing = _SD.audit_serving,
+    startup_cache: StartupCache = _SD.startup_cache,
     poison_free_kv: Annotated[
         bool,
         typer.Option(
@@ -617,15 +599,6 @@ def serve(
         typer.Option(
             "--model-threads",
             help="CPU threads for the model (torch intra-op). Default: all cores but one, left to the HTTP side.",
-        ),
-    ] = None,
-    enforce_eager: Annotated[
-        bool | None,
-        typer.Option(
-            "--enforce-eager/--capture-graphs",
-            help="Capture no graphs, every step eager (default on CPU: the static graph backend runs the "
-            "same eager code, and a graph per decode batch size 1..max_num_seqs would add minutes to "
-            "start-up); graphs by default on CUDA.",
         ),
     ] = None,
     quiet: Quiet = False,
@@ -642,22 +615,20 @@ def serve(
     SIGINT/SIGTERM.
     """
     _worker_if_launched(engine["tensor_parallel_size"], quiet=quiet, verbose=verbose)
-    from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.serve.app import ServeOptions
     from warmcap.serve.server import serve as run_server
 
-    if enforce_eager is None:
-        enforce_eager = serving_enforce_eager(engine["device"])
-    config = engine_config(model, {**serving_engine_values(engine), "enforce_eager": enforce_eager})
-    sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
-    options = ServeOptions(
-        api_key=api_key,
+    if engine["enforce_eager"] is None:
+        engine["enforce_eager"] = serving_enforce_eager(engine["device"])
+    config = engine_config(model, serving_engine_values(engine))
+    startup = startup_options(
         backend=backend,
-        capture_sizes=sizes,
+        capture_sizes=capture_sizes,
         audit=audit,
         audit_serving=audit_serving,
-        poison_free_kv=poison_free_kv,
+        startup_cache=startup_cache,
     )
+    options = ServeOptions(api_key=api_key, startup=startup, poison_free_kv=poison_free_kv)
     # A server logs its start-up phases (INFO; every step with --verbose) instead of drawing them:
     # its stderr is a log, and start-up runs in the app's own thread.
     from logging import INFO

@@ -16,100 +16,115 @@ budget vLLM's OpenAI server takes on the device, ``engine_args.serving_batch_def
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import wraps
 from typing import Annotated, Any
 
 import typer
 
-from warmcap.engine_args import ARGS_BY_NAME, ENGINE_ARGS, SPEC_HELP
+from warmcap.config import StartupOptions
+from warmcap.engine_args import ARGS_BY_NAME, ENGINE_ARGS, EngineArg
+from warmcap.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
 class CommandDefaults:
-    """The sizing defaults of a group of commands."""
+    """The sizing defaults of a group of commands, and what their help says of a default computed
+    by the command itself."""
 
     speculative_config: str
     #: None: computed by the command (``generate``: from the prompt; ``serve``: for the device)
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     max_model_len: int | None
+    #: None: the command decides (eager on CPU, graphs on CUDA)
+    enforce_eager: bool | None
+    #: appended to an engine option's help, by option name
+    help_notes: Mapping[str, str] = field(default_factory=dict)
 
+
+_EAGER_BY_DEVICE = (
+    " Default: eager on CPU, where the static graph backend replays eager code; graphs on CUDA."
+)
 
 #: ``warmup plan`` and ``warmup run``: the engine a quick start-up builds (documented in README)
 STARTUP = CommandDefaults(
-    speculative_config="draft_model:2", max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024
+    speculative_config="draft_model:2",
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    max_model_len=1024,
+    enforce_eager=False,
 )
 #: ``warmup generate``: sized for its one request (a None here is computed from the prompt)
 GENERATE = CommandDefaults(
-    speculative_config="none", max_num_seqs=1, max_num_batched_tokens=None, max_model_len=None
+    speculative_config="none",
+    max_num_seqs=1,
+    max_num_batched_tokens=None,
+    max_model_len=None,
+    enforce_eager=None,
+    help_notes={
+        "max_model_len": " Default: prompt + max_tokens, rounded up to a block (the model's own if larger).",
+        "max_num_batched_tokens": " Default: min(512, the context).",
+        "enforce_eager": _EAGER_BY_DEVICE,
+    },
 )
 #: ``warmup serve``: sized for serving (the batch limits: vLLM's server defaults for the device)
 SERVE = CommandDefaults(
-    speculative_config="none", max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None
+    speculative_config="none",
+    max_num_seqs=None,
+    max_num_batched_tokens=None,
+    max_model_len=None,
+    enforce_eager=None,
+    help_notes={
+        "max_num_seqs": " Default: vLLM's server default for the device (128 on CPU).",
+        "max_num_batched_tokens": " Default: vLLM's server default for the device (2048 on CPU).",
+        "enforce_eager": _EAGER_BY_DEVICE + " A graph per decode batch size would add minutes on CPU.",
+    },
 )
-
-
-def _engine(name: str, *flags: str, help_suffix: str = "", **option: Any) -> Any:
-    """A ``typer.Option`` for the engine option ``name``, with the table's help text."""
-    return typer.Option(*flags, help=ARGS_BY_NAME[name].help + help_suffix, **option)
 
 
 MODEL_HELP = "Preset name (smollm2-135m, tiny-llama, tiny-qwen3, ...) or a local HF directory."
 
-# ---- engine options (engine_args.ENGINE_ARGS) -----------------------------------------------------
 Model = Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)]
-Spec = Annotated[str, typer.Option("--spec", "--speculative-config", "-s", help=SPEC_HELP)]
-Dtype = Annotated[str, _engine("dtype")]
-Device = Annotated[str, _engine("device")]
-EnforceEager = Annotated[bool, _engine("enforce_eager", "--enforce-eager")]
-BatchInvariant = Annotated[bool, _engine("batch_invariant", "--batch-invariant")]
-AttentionBackend = Annotated[str, _engine("attention_backend")]
-BlockSize = Annotated[int, _engine("block_size")]
-NumBlocks = Annotated[int | None, _engine("num_blocks")]
-GpuMemoryUtilization = Annotated[float, _engine("gpu_memory_utilization")]
-KvCacheSpace = Annotated[float | None, _engine("kv_cache_space", metavar="GIB")]
-EnablePrefixCaching = Annotated[
-    bool | None, _engine("enable_prefix_caching", "--enable-prefix-caching/--no-enable-prefix-caching")
-]
-MambaCacheMode = Annotated[str, _engine("mamba_cache_mode")]
-MaxNumSeqs = Annotated[int | None, _engine("max_num_seqs")]
-MaxNumBatchedTokens = Annotated[int | None, _engine("max_num_batched_tokens")]
 
 
-def _max_model_len(value: str | None) -> int | None:
-    if value is None or value == "auto":
+def _parser(arg: EngineArg) -> Callable[[str], Any] | None:
+    """The table's parser with its ConfigError as click's own refusal (one line, exit 2)."""
+    parse = arg.parse
+    if parse is None:
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise typer.BadParameter(
-            f"{value!r} is not a number of tokens: give one, e.g. 4096, or auto for the model's own limit"
-        ) from None
+
+    def parser(value: Any) -> Any:
+        if value is None or not isinstance(value, str):
+            return value
+        try:
+            return parse(value)
+        except ConfigError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    return parser
 
 
-MaxModelLen = Annotated[
-    int | None,
-    typer.Option(
-        parser=_max_model_len,
-        metavar="N|auto",
-        help=ARGS_BY_NAME["max_model_len"].help,
-    ),
-]
-EnableChunkedPrefill = Annotated[
-    bool, _engine("enable_chunked_prefill", "--enable-chunked-prefill/--no-enable-chunked-prefill")
-]
-AsyncScheduling = Annotated[
-    bool | None, _engine("async_scheduling", "--async-scheduling/--no-async-scheduling")
-]
-KvRole = Annotated[str, _engine("kv_role")]
-KvTransferConfig = Annotated[str | None, _engine("kv_transfer_config")]
-TensorParallelSize = Annotated[int, _engine("tensor_parallel_size", "--tensor-parallel-size", "-tp")]
-CpuThreads = Annotated[int | None, _engine("cpu_threads")]
-CpuThreadsBind = Annotated[str, _engine("cpu_threads_bind")]
+def engine_option_type(arg: EngineArg, defaults: CommandDefaults | None = None) -> Any:
+    """The ``Annotated`` command-line type of the engine option ``arg``, built from its table entry
+    (and a command's note on its default)."""
+    note = defaults.help_notes.get(arg.name, "") if defaults is not None else ""
+    option: dict[str, Any] = {"help": arg.help + note}
+    if arg.metavar:
+        option["metavar"] = arg.metavar
+    parser = _parser(arg)
+    if parser is not None:
+        option["parser"] = parser
+    return Annotated[arg.cli_type, typer.Option(*arg.flags, **option)]
 
-# ---- start-up options (warmup run, warmup serve) ---------------------------------------------------
+
+#: ``--spec``, for a command that takes it without the other engine options (``warmup accept``)
+Spec = engine_option_type(ARGS_BY_NAME["speculative_config"])
+
+# ---- start-up options (warmup run, serve, generate): config.StartupOptions, its defaults ------------
+#: the one set of start-up defaults every command shows (``LLM`` and ``run_startup`` use the same)
+STARTUP_DEFAULTS = StartupOptions()
 Backend = Annotated[
     str | None,
     typer.Option(help="Graph backend: cuda, static or compile (default: cuda on a GPU, else static)."),
@@ -133,6 +148,32 @@ AuditServing = Annotated[
         "its blocks fails with the request, group, position and slot (slower: a debugging and CI switch).",
     ),
 ]
+StartupCache = Annotated[
+    bool,
+    typer.Option(
+        "--startup-cache/--no-startup-cache",
+        help="Reuse graph verdicts of an identical earlier start (one graph per phase is still "
+        "verified); the cache is $WARMCAP_STARTUP_CACHE or startup/ in the warmcap cache.",
+    ),
+]
+
+
+def startup_options(
+    *, backend: str | None, capture_sizes: str | None, audit: bool, audit_serving: bool, startup_cache: bool
+) -> StartupOptions:
+    """The command's start-up options as one record (``--capture-sizes`` parsed)."""
+    from warmcap.graphs.capture.sizes import parse_capture_sizes
+
+    sizes = tuple(parse_capture_sizes(capture_sizes)) if capture_sizes else None
+    return StartupOptions(
+        backend=backend,
+        capture_sizes=sizes,
+        audit=audit,
+        audit_serving=audit_serving,
+        startup_cache=startup_cache,
+    )
+
+
 Html = Annotated[
     str | None,
     typer.Option(
@@ -153,33 +194,6 @@ Verbose = Annotated[
 ]
 
 
-#: the ``Annotated`` type of each engine option, by its name in ``engine_args.ENGINE_ARGS``
-ENGINE_OPTION_TYPES: dict[str, Any] = {
-    "speculative_config": Spec,
-    "dtype": Dtype,
-    "device": Device,
-    "enforce_eager": EnforceEager,
-    "batch_invariant": BatchInvariant,
-    "attention_backend": AttentionBackend,
-    "block_size": BlockSize,
-    "num_blocks": NumBlocks,
-    "gpu_memory_utilization": GpuMemoryUtilization,
-    "kv_cache_space": KvCacheSpace,
-    "enable_prefix_caching": EnablePrefixCaching,
-    "mamba_cache_mode": MambaCacheMode,
-    "max_num_seqs": MaxNumSeqs,
-    "max_num_batched_tokens": MaxNumBatchedTokens,
-    "max_model_len": MaxModelLen,
-    "enable_chunked_prefill": EnableChunkedPrefill,
-    "async_scheduling": AsyncScheduling,
-    "kv_role": KvRole,
-    "kv_transfer_config": KvTransferConfig,
-    "tensor_parallel_size": TensorParallelSize,
-    "cpu_threads": CpuThreads,
-    "cpu_threads_bind": CpuThreadsBind,
-}
-
-
 def option_default(name: str, defaults: CommandDefaults) -> Any:
     """A command's default for the engine option ``name``: its group's sizing default, else the
     config's own (so the command line and ``LLM()`` start from the same values)."""
@@ -188,6 +202,8 @@ def option_default(name: str, defaults: CommandDefaults) -> Any:
     if hasattr(defaults, name):
         return getattr(defaults, name)
     arg = ARGS_BY_NAME[name]
+    if arg.part == "kernel":
+        return None  # unset: the config's default, its environment variable (warmcap/env.py)
     if arg.part is None:
         return {"kv_transfer": None, "speculative": "none"}.get(arg.attr, getattr(EngineConfig(), arg.attr))
     return getattr(getattr(EngineConfig(), arg.part), arg.attr)
@@ -204,19 +220,15 @@ def engine_options(defaults: CommandDefaults) -> Callable[[Callable[..., Any]], 
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         names = {p.name for p in own}
-        missing = [a.name for a in ENGINE_ARGS if a.cli and a.name not in names]
-        if set(missing) - set(ENGINE_OPTION_TYPES):
-            raise TypeError(
-                f"engine options without a command-line type: {set(missing) - set(ENGINE_OPTION_TYPES)}"
-            )
         added = [
             inspect.Parameter(
-                name,
+                arg.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                annotation=ENGINE_OPTION_TYPES[name],
-                default=option_default(name, defaults),
+                annotation=engine_option_type(arg, defaults),
+                default=option_default(arg.name, defaults),
             )
-            for name in missing
+            for arg in ENGINE_ARGS
+            if arg.cli and arg.name not in names
         ]
 
         @wraps(fn)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from warmcap import env
 from warmcap.errors import ConfigError
 from warmcap.spec_methods import METHODS, SpecMethod, spec_method
 
@@ -345,6 +346,69 @@ class KVTransferConfig:
         return cls(**value)
 
 
+#: ``auto`` (the compiled kernel when it builds, else torch's), ``torch`` (never), ``kernel`` (required)
+CPU_KERNEL_MODES: tuple[str, ...] = ("auto", "torch", "kernel")
+CPU_ISAS: tuple[str, ...] = ("native", "avx2", "avx512", "baseline")
+GREEDY_HEAD_MODES: tuple[str, ...] = ("on", "off", "portable")
+FUSED_OPS_MODES: tuple[str, ...] = ("auto", "torch")
+TP_COMM_MODES: tuple[str, ...] = ("auto", "shm", "gloo")
+#: older spellings of the greedy-head switch (its environment variable took 1 and 0)
+_GREEDY_HEAD_ALIASES = {"1": "on", "0": "off"}
+
+
+def _from_env(name: str) -> str:
+    value = env.read(name).lower()
+    return _GREEDY_HEAD_ALIASES.get(value, value) if name == "WARMCAP_EXACT_GREEDY_HEAD" else value
+
+
+#: each field of :class:`KernelConfig`: its values and the environment variable that defaults it
+KERNEL_CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
+    "cpu_gemm": (CPU_KERNEL_MODES, "WARMCAP_CPU_GEMM"),
+    "cpu_layer_ops": (CPU_KERNEL_MODES, "WARMCAP_CPU_LAYER_OPS"),
+    "cpu_attention": (CPU_KERNEL_MODES, "WARMCAP_CPU_ATTENTION"),
+    "cpu_isa": (CPU_ISAS, "WARMCAP_CPU_ISA"),
+    "exact_greedy_head": (GREEDY_HEAD_MODES, "WARMCAP_EXACT_GREEDY_HEAD"),
+    "fused_ops": (FUSED_OPS_MODES, "WARMCAP_FUSED_OPS"),
+    "tp_comm": (TP_COMM_MODES, "WARMCAP_TP_COMM"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Which kernels a forward runs: every switch that can change a result without changing the
+    model. Each field defaults to its environment variable (``warmcap/env.py``), and from there to
+    ``auto``/``native``/``on``; ``LLM(...)`` and every command (``--cpu-gemm`` ...) set it. The
+    start-up verdict cache keys on this record (``graphs/proof/startup_cache.py``), so a verdict is
+    never reused for kernels it was not checked with."""
+
+    #: the compiled CPU GEMM (``cpu_kernels/gemm.c``) for packed linears, else oneDNN's
+    cpu_gemm: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_GEMM"))
+    #: the compiled CPU layer ops (RMSNorm, SiLU-mul, RoPE), else torch's
+    cpu_layer_ops: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_LAYER_OPS"))
+    #: the compiled CPU paged attention, else gather + SDPA
+    cpu_attention: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_ATTENTION"))
+    #: the instruction set the CPU kernels are compiled for (one per process: the first engine's)
+    cpu_isa: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_ISA"))
+    #: the screened exact greedy head on CPU (``models/greedy_head.py``): on, off (full logits every
+    #: step) or portable (float32-held screen, no oneDNN bf16)
+    exact_greedy_head: str = field(default_factory=lambda: _from_env("WARMCAP_EXACT_GREEDY_HEAD"))
+    #: the fused Triton layer ops on CUDA (``models/fused_ops.py``): auto or torch
+    fused_ops: str = field(default_factory=lambda: _from_env("WARMCAP_FUSED_OPS"))
+    #: collectives between the tensor-parallel ranks of one machine: auto (shared memory on CPU),
+    #: shm or gloo (``distributed/shm_comm.py``); a sum's order, so its rounding, depends on it
+    tp_comm: str = field(default_factory=lambda: _from_env("WARMCAP_TP_COMM"))
+
+    def __post_init__(self) -> None:
+        for name, (allowed, variable) in KERNEL_CHOICES.items():
+            value = getattr(self, name)
+            if isinstance(value, str) and name == "exact_greedy_head":
+                value = _GREEDY_HEAD_ALIASES.get(value, value)
+                object.__setattr__(self, name, value)
+            if value not in allowed:
+                origin = env.source(variable) if value == _from_env(variable) else ""
+                raise ConfigError(f"{name} {value!r}{origin} is not one of {', '.join(allowed)}: pick one")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine, the scheduler, the runner and the warmup planner read."""
@@ -352,6 +416,8 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    #: which kernels a forward runs (every switch that can change a result)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
     speculative: SpeculativeConfig | None = None
     #: P/D role; filled from ``kv_transfer`` when that is given and this is left at ``none``
     kv_role: str = "none"
@@ -459,3 +525,67 @@ class EngineConfig:
             mml is None or mml <= model_max_len,
             f"max_model_len {mml} exceeds the model's limit {model_max_len}: lower --max-model-len",
         )
+
+
+#: the start-up options a caller may name, with what each does (``StartupOptions``' fields)
+STARTUP_OPTION_NAMES: tuple[str, ...] = (
+    "backend",
+    "capture_sizes",
+    "audit",
+    "audit_serving",
+    "startup_cache",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StartupOptions:
+    """How start-up proves an engine before its first request: one record with one set of defaults,
+    taken by ``LLM(...)``, ``run_startup`` (``warmup run``), ``warmup serve`` and ``warmup generate``
+    and the device checks alike. None of it changes a result; it changes what is checked and shown.
+    """
+
+    #: graph backend: cuda, static or compile (None: cuda on a GPU, else static)
+    backend: str | None = None
+    #: token counts of the graphs to capture (None: the planner's ladder, ``graphs/capture/sizes.py``)
+    capture_sizes: tuple[int, ...] | None = None
+    #: audit every KV write warmup makes (off: the report says "audit off")
+    audit: bool = True
+    #: audit the KV writes of every serving step too (a stray write fails that step's requests)
+    audit_serving: bool = False
+    #: reuse graph verdicts of an identical earlier start, verifying one graph per phase afresh
+    #: (``graphs/proof/startup_cache.py``; the cache is ``$WARMCAP_STARTUP_CACHE``)
+    startup_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.backend in (None, "cuda", "static", "compile"),
+            f"graph backend {self.backend!r} is unknown: use cuda, static or compile (or leave it unset)",
+        )
+        if self.capture_sizes is not None:
+            sizes = tuple(self.capture_sizes)
+            _require(
+                len(sizes) > 0
+                and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes),
+                f"capture_sizes {self.capture_sizes!r} must be token counts >= 1, e.g. (1, 2, 4, 8)",
+            )
+            object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+        for name in ("audit", "audit_serving", "startup_cache"):
+            _require(
+                isinstance(getattr(self, name), bool),
+                f"{name} must be True or False, got {getattr(self, name)!r}",
+            )
+
+    @classmethod
+    def resolve(cls, startup: StartupOptions | None, options: dict[str, object]) -> StartupOptions:
+        """``startup`` or the options named flat (``LLM(audit=False)``), never both."""
+        unknown = sorted(set(options) - set(STARTUP_OPTION_NAMES))
+        _require(
+            not unknown, f"unknown start-up option(s) {unknown}: valid are {', '.join(STARTUP_OPTION_NAMES)}"
+        )
+        if startup is None:
+            return cls(**options)  # type: ignore[arg-type]
+        _require(
+            not options,
+            f"pass start-up options either as startup=StartupOptions(...) or by name, not both (got {sorted(options)})",
+        )
+        return startup

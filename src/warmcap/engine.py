@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from warmcap.assembly import assemble, finish_config, resolve_async_scheduling, resolve_device
-from warmcap.config import EngineConfig
+from warmcap.config import EngineConfig, StartupOptions
 from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
+from warmcap.cpu_kernels.build import use_isa
 from warmcap.cpu_kernels.threads import start_threads
 from warmcap.detokenizer import TextDecoder
 from warmcap.distributed.executor import TPExecutor
@@ -64,6 +65,22 @@ if TYPE_CHECKING:
 DEFAULT_STARTUP_HOOKS: list[StartupHook] = [warmup_hook, graph_capture_hook]
 
 
+def startup_hooks_for(startup: StartupOptions, *, strict: bool = True) -> list[StartupHook]:
+    """:data:`DEFAULT_STARTUP_HOOKS` given ``startup``'s options. ``strict``: a warmup audit
+    violation raises (``LLM``); False leaves judging it to the caller's report (``warmup run``,
+    ``warmup serve``)."""
+    sizes = list(startup.capture_sizes) if startup.capture_sizes is not None else None
+    return [
+        partial(warmup_hook, audit=startup.audit, strict=strict),
+        partial(
+            graph_capture_hook,
+            backend=startup.backend,
+            capture_sizes=sizes,
+            startup_cache=startup.startup_cache,
+        ),
+    ]
+
+
 # The engine's per-request record (the name ``LLMEngine.__init__`` annotates ``_requests`` with).
 _Tracked = TrackedRequest
 
@@ -71,13 +88,15 @@ _Tracked = TrackedRequest
 class LLMEngine:
     """Continuous batching over one model: add requests, call :meth:`step` until done.
 
-    ``startup_hooks`` (default: a copy of :data:`DEFAULT_STARTUP_HOOKS`) run in order once the
-    scheduler and runner exist, before the first request; each gets a
+    ``startup`` (default: :class:`~warmcap.config.StartupOptions`' defaults) sets how start-up
+    proves the engine: the default hooks (:func:`startup_hooks_for`) and the serving audit.
+    ``startup_hooks`` replaces those hooks (tests and tools with hooks of their own); they run in
+    order once the scheduler and runner exist, before the first request; each gets a
     :class:`~warmcap.startup_hooks.StartupContext` and its result is kept in ``startup_results``
     under its name (``warmup``, ``graph_capture``). Start-up phases are reported to ``observer``
     (default: the one set by :func:`warmcap.startup_hooks.observing`) and logged on ``warmcap``.
 
-    ``audit_serving`` records and audits the KV writes of every serving step (invariant I2, as
+    ``startup.audit_serving`` records and audits the KV writes of every serving step (invariant I2, as
     warmup is audited); a step that writes outside its blocks raises
     :class:`~warmcap.warmup.audit.AuditViolationError` and its requests are aborted. It copies slot
     mappings to the host each step, so it costs throughput: a debugging and CI switch.
@@ -87,10 +106,13 @@ class LLMEngine:
         self,
         config: EngineConfig,
         *,
+        startup: StartupOptions | None = None,
         startup_hooks: Sequence[StartupHook] | None = None,
-        audit_serving: bool = False,
         observer: StartupObserver | None = None,
     ) -> None:
+        startup = startup or StartupOptions()
+        #: how start-up proved this engine (and whether every serving step is audited)
+        self.startup_options = startup
         from warmcap.models.loader import load_hf_config
 
         observer = observer or current_observer()
@@ -117,7 +139,8 @@ class LLMEngine:
             check_tensor_parallel(model_class(hf_config.architectures[0]), config.tensor_parallel_size)
             self.executor = TPExecutor.start(config, self.model_path, self.device)
         try:
-            self._start(config, hf_config, observer, t_load, audit_serving, startup_hooks)
+            hooks = startup_hooks_for(startup) if startup_hooks is None else startup_hooks
+            self._start(config, hf_config, observer, t_load, startup.audit_serving, hooks)
         except BaseException:
             self.shutdown()
             raise
@@ -129,7 +152,7 @@ class LLMEngine:
         observer: StartupObserver,
         t_load: float,
         audit_serving: bool,
-        startup_hooks: Sequence[StartupHook] | None,
+        startup_hooks: Sequence[StartupHook],
     ) -> None:
         from warmcap.models.loader import load_model, load_tokenizer
         from warmcap.runner_v2.attention.selector import select_backend
@@ -138,11 +161,14 @@ class LLMEngine:
         # assemble subtracts the weights by shape, so both get the same pool.
         free_bytes = free_memory_bytes(self.device)
         torch.manual_seed(config.model.seed)
+        if self.device.type == "cpu":
+            use_isa(config.kernel.cpu_isa)
         self.model = load_model(
             self.model_path,
             dtype=TORCH_DTYPES[config.model.dtype],
             device=self.device,
             batch_invariant=config.model.batch_invariant,
+            kernels=config.kernel,
         )
         self.tokenizer = _try_tokenizer(partial(load_tokenizer, config=hf_config), self.model_path)
         #: the output text of every request: the tokenizer's decode, a request's new tokens at a time
@@ -183,7 +209,10 @@ class LLMEngine:
             self.num_blocks,
             device=self.device,
             attn_backend=select_backend(
-                self.device, name=config.model.attention_backend, batch_invariant=config.model.batch_invariant
+                self.device,
+                name=config.model.attention_backend,
+                batch_invariant=config.model.batch_invariant,
+                cpu_attention=config.kernel.cpu_attention,
             ),
             drafter=self.drafter,
         )
@@ -207,9 +236,7 @@ class LLMEngine:
                 seconds=self.startup_timings["kv_sizing"],
             ),
         )
-        self.startup_hooks: list[StartupHook] = list(
-            DEFAULT_STARTUP_HOOKS if startup_hooks is None else startup_hooks
-        )
+        self.startup_hooks: list[StartupHook] = list(startup_hooks)
         #: each hook's result by :func:`~warmcap.startup_hooks.hook_name`
         self.startup_results: dict[str, Any] = {}
         #: what each start-up hook is given (hooks may also be run again on it later)
@@ -648,4 +675,5 @@ __all__ = [
     "LLMEngine",
     "RequestMetrics",
     "RequestOutput",
+    "startup_hooks_for",
 ]

@@ -9,16 +9,23 @@ through :func:`build_config` alone. A setting added to :data:`ENGINE_ARGS` reach
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from warmcap.config import (
     ATTENTION_BACKENDS,
+    CPU_ISAS,
+    CPU_KERNEL_MODES,
     DTYPES,
+    FUSED_OPS_MODES,
+    GREEDY_HEAD_MODES,
     KV_ROLES,
     MAMBA_CACHE_MODES,
+    TP_COMM_MODES,
     CacheConfig,
     EngineConfig,
+    KernelConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -29,14 +36,22 @@ from warmcap.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class EngineArg:
-    """One flat engine option: its name (``LLM`` keyword; ``--name-with-dashes`` on the command
-    line), where it lands in :class:`EngineConfig` (``part`` None: a field of the config itself)
-    and the help the command line shows."""
+    """One flat engine option, declared once: its name (``LLM`` keyword; ``--name-with-dashes`` on
+    the command line), where it lands in :class:`EngineConfig` (``part`` None: a field of the
+    config itself), the help the command line shows and how the command line reads it
+    (``cli_options.py`` builds every command's option from this record alone)."""
 
     name: str
     part: str | None
     attr: str
     help: str
+    #: the command-line value's type (None: not given, the config's default)
+    cli_type: Any = str
+    #: the command line's spellings (empty: ``--name-with-dashes``; a bool flag: ``--on/--off``)
+    flags: tuple[str, ...] = ()
+    metavar: str | None = None
+    #: turns the command line's text into the value (raises ConfigError with the advice)
+    parse: Callable[[str], Any] | None = None
     #: shown on the command line (``seed`` is not: ``warmup generate --seed`` is the request's)
     cli: bool = True
     #: the same setting under another ``LLM`` keyword (vLLM's), refused when given together
@@ -52,6 +67,26 @@ KV_TRANSFER_HELP = (
     "(roles: kv_producer, kv_consumer, kv_both; sets --kv-role)."
 )
 
+#: ``--max-model-len auto``: the model's own limit (``build_config`` reads it as None)
+AUTO = "auto"
+
+
+def parse_max_model_len(text: str) -> int | str:
+    """``--max-model-len``: a number of tokens, or ``auto`` for the model's own limit."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(
+            f"{text!r} is not a number of tokens: give one, e.g. 4096, or auto for the model's own limit"
+        ) from None
+
+
+def _kernel_help(what: str, choices: tuple[str, ...], variable: str) -> str:
+    return f"{what}: {', '.join(choices)} (default: ${variable}, else {choices[0]})."
+
+
 ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg(
         "dtype",
@@ -65,12 +100,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "device",
         "Device to run on (and whose free memory sizes the pool): auto, cpu or cuda[:N].",
     ),
-    EngineArg("seed", "model", "seed", "Seed of the engine's random state.", cli=False),
+    EngineArg("seed", "model", "seed", "Seed of the engine's random state.", int, cli=False),
     EngineArg(
         "enforce_eager",
         "model",
         "enforce_eager",
-        "Capture no graphs: every step runs eagerly (start-up is faster).",
+        "Capture no graphs: every step runs eagerly (start-up is faster); --capture-graphs: capture them.",
+        bool | None,
+        ("--enforce-eager/--capture-graphs",),
     ),
     EngineArg(
         "batch_invariant",
@@ -78,6 +115,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "batch_invariant",
         "Fixed-shape GEMM tiles: a token's output never depends on its batch, so graph replays equal "
         "eager steps bit for bit (slower; Llama-family models).",
+        bool,
+        ("--batch-invariant",),
     ),
     EngineArg(
         "attention_backend",
@@ -85,18 +124,20 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "attention_backend",
         f"Attention of full and sliding-window layers: {', '.join(ATTENTION_BACKENDS)}.",
     ),
-    EngineArg("block_size", "cache", "block_size", "Tokens per KV block (a power of two)."),
+    EngineArg("block_size", "cache", "block_size", "Tokens per KV block (a power of two).", int),
     EngineArg(
         "num_blocks",
         "cache",
         "num_blocks",
         "KV pool size in blocks, null block included (default: sized from memory).",
+        int | None,
     ),
     EngineArg(
         "gpu_memory_utilization",
         "cache",
         "memory_fraction",
         "Share of the device's free memory the weights and KV pool may take, in (0, 1].",
+        float,
         alias="memory_fraction",
     ),
     EngineArg(
@@ -106,6 +147,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "KV cache space in GiB (default on CPU: $VLLM_CPU_KVCACHE_SPACE, else 4, as vLLM's CPU build; "
         "on CUDA the pool takes --gpu-memory-utilization of free memory instead). Pages are touched "
         "only as requests write them.",
+        float | None,
+        metavar="GIB",
     ),
     EngineArg(
         "enable_prefix_caching",
@@ -113,6 +156,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "enable_prefix_caching",
         "Prefix caching: on (refused for a model that cannot serve hits), off, or unset (on where "
         "every KV group can serve hits).",
+        bool | None,
+        ("--enable-prefix-caching/--no-enable-prefix-caching",),
     ),
     EngineArg(
         "mamba_cache_mode",
@@ -125,19 +170,31 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "scheduler",
         "max_num_seqs",
         "Most requests in one step (sets warmup and the graph sizes).",
+        int | None,
     ),
-    EngineArg("max_num_batched_tokens", "scheduler", "max_num_batched_tokens", "Token budget of one step."),
+    EngineArg(
+        "max_num_batched_tokens",
+        "scheduler",
+        "max_num_batched_tokens",
+        "Token budget of one step.",
+        int | None,
+    ),
     EngineArg(
         "max_model_len",
         "scheduler",
         "max_model_len",
         "Context limit in tokens; None (auto on the command line): the model's own (max_position_embeddings).",
+        int | None,
+        metavar="N|auto",
+        parse=parse_max_model_len,
     ),
     EngineArg(
         "enable_chunked_prefill",
         "scheduler",
         "enable_chunked_prefill",
         "Split long prompts over steps to fit the token budget.",
+        bool,
+        ("--enable-chunked-prefill/--no-enable-chunked-prefill",),
     ),
     EngineArg(
         "async_scheduling",
@@ -146,10 +203,75 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "One step in flight: schedule the next step while this one runs and read its tokens "
         "afterwards (unset: on for one CUDA device without P/D or Mamba state, off elsewhere; same "
         "tokens either way).",
+        bool | None,
+        ("--async-scheduling/--no-async-scheduling",),
     ),
-    EngineArg("speculative_config", None, "speculative", SPEC_HELP),
+    EngineArg(
+        "cpu_gemm",
+        "kernel",
+        "cpu_gemm",
+        _kernel_help("Compiled CPU GEMM for linear layers", CPU_KERNEL_MODES, "WARMCAP_CPU_GEMM")
+        + " torch: oneDNN's; kernel: fail start-up when it cannot be built.",
+        str | None,
+    ),
+    EngineArg(
+        "cpu_layer_ops",
+        "kernel",
+        "cpu_layer_ops",
+        _kernel_help(
+            "Compiled CPU layer ops (RMSNorm, SiLU-mul, RoPE)", CPU_KERNEL_MODES, "WARMCAP_CPU_LAYER_OPS"
+        ),
+        str | None,
+    ),
+    EngineArg(
+        "cpu_attention",
+        "kernel",
+        "cpu_attention",
+        _kernel_help("Compiled CPU paged attention", CPU_KERNEL_MODES, "WARMCAP_CPU_ATTENTION")
+        + " torch: gather + SDPA.",
+        str | None,
+    ),
+    EngineArg(
+        "cpu_isa",
+        "kernel",
+        "cpu_isa",
+        _kernel_help("Instruction set the CPU kernels are compiled for", CPU_ISAS, "WARMCAP_CPU_ISA")
+        + " One per process.",
+        str | None,
+    ),
+    EngineArg(
+        "exact_greedy_head",
+        "kernel",
+        "exact_greedy_head",
+        _kernel_help(
+            "Screened exact greedy head on CPU (off: full logits every step)",
+            GREEDY_HEAD_MODES,
+            "WARMCAP_EXACT_GREEDY_HEAD",
+        ),
+        str | None,
+    ),
+    EngineArg(
+        "fused_ops",
+        "kernel",
+        "fused_ops",
+        _kernel_help("Fused Triton layer ops on CUDA", FUSED_OPS_MODES, "WARMCAP_FUSED_OPS"),
+        str | None,
+    ),
+    EngineArg(
+        "tp_comm",
+        "kernel",
+        "tp_comm",
+        _kernel_help(
+            "Collectives of the tensor-parallel ranks of one machine", TP_COMM_MODES, "WARMCAP_TP_COMM"
+        )
+        + " auto: shared memory on CPU, NCCL on CUDA.",
+        str | None,
+    ),
+    EngineArg(
+        "speculative_config", None, "speculative", SPEC_HELP, str, ("--spec", "--speculative-config", "-s")
+    ),
     EngineArg("kv_role", None, "kv_role", f"P/D role: {', '.join(KV_ROLES)}."),
-    EngineArg("kv_transfer_config", None, "kv_transfer", KV_TRANSFER_HELP),
+    EngineArg("kv_transfer_config", None, "kv_transfer", KV_TRANSFER_HELP, str | None),
     EngineArg(
         "tensor_parallel_size",
         None,
@@ -157,6 +279,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "Ranks to shard the model over: rank 0 is this process, ranks 1..N-1 are spawned workers "
         "(gloo on CPU, NCCL on CUDA); with RANK set (torchrun, several machines) every rank is started "
         "by the launcher and the command on RANK > 0 serves as a worker.",
+        int,
+        ("--tensor-parallel-size", "-tp"),
     ),
     EngineArg(
         "cpu_threads",
@@ -164,6 +288,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "cpu_threads",
         "Model threads of each rank on CPU (default: torch's count with one rank; with several, the "
         "cores this process may use split evenly across the ranks).",
+        int | None,
     ),
     EngineArg(
         "cpu_threads_bind",
@@ -178,7 +303,7 @@ ARGS_BY_NAME: dict[str, EngineArg] = {a.name: a for a in ENGINE_ARGS}
 _ALIASES: dict[str, EngineArg] = {a.alias: a for a in ENGINE_ARGS if a.alias}
 #: every keyword :func:`build_config` (and so ``LLM``) takes besides the model
 ENGINE_KWARGS: tuple[str, ...] = (*ARGS_BY_NAME, *_ALIASES)
-_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "kernel": KernelConfig}
 
 
 def build_config(model: str, **kwargs: Any) -> EngineConfig:
@@ -202,10 +327,14 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
     if given.get("dtype", (None, None))[1] == "auto":
         device = given.get("device", (None, "auto"))[1]
         given["dtype"] = ("dtype", auto_dtype(model, device))
-    parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+    if given.get("max_model_len", (None, None))[1] == AUTO:
+        given["max_model_len"] = (given["max_model_len"][0], None)
+    parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}, "kernel": {}}
     spelled: dict[str, str] = {}
     for canonical, (name, value) in given.items():
         arg = ARGS_BY_NAME[canonical]
+        if arg.part == "kernel" and value is None:
+            continue  # unset: the field's own default (its environment variable)
         if arg.part is not None:
             parts[arg.part][arg.attr] = value
             spelled[arg.attr] = name
@@ -218,6 +347,7 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
         model=built["model"],
         cache=built["cache"],
         scheduler=built["scheduler"],
+        kernel=built["kernel"],
         speculative=SpeculativeConfig.parse(top("speculative_config", None)),
         kv_role=top("kv_role", "none"),
         kv_transfer=KVTransferConfig.parse(top("kv_transfer_config", None)),

@@ -8,12 +8,12 @@ so the space is an upper bound on the KV memory, not memory taken at start-up.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import psutil
 import torch
 
+from warmcap import env
 from warmcap.config import DEFAULT_CPU_KV_CACHE_SPACE_GIB, EngineConfig
 from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.reservation import blocks_per_request
@@ -94,7 +94,7 @@ def kv_cache_space(config: EngineConfig, device: torch.device) -> tuple[float, s
         return float(gib), "--kv-cache-space"
     if device.type == "cuda":
         return None
-    text = os.environ.get(CPU_KV_SPACE_ENV, "").strip()
+    text = env.read(CPU_KV_SPACE_ENV)
     if not text:
         return DEFAULT_CPU_KV_CACHE_SPACE_GIB, "default"
     try:

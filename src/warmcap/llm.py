@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
 from typing import Any
 
-from warmcap.engine import DEFAULT_STARTUP_HOOKS, LLMEngine
+from warmcap.config import STARTUP_OPTION_NAMES, StartupOptions
+from warmcap.engine import LLMEngine
 from warmcap.engine_args import ENGINE_KWARGS, auto_dtype, build_config
 from warmcap.errors import ConfigError
 from warmcap.outputs import RequestOutput
 from warmcap.prompts import PromptType, chat_prompt_ids, split_prompt
 from warmcap.sampling_params import SamplingParams
-from warmcap.warmup.hook import warmup_hook
 
-#: ``LLM``'s keyword arguments besides the model: every option of ``engine_args.ENGINE_ARGS``.
-LLM_KWARGS: tuple[str, ...] = ENGINE_KWARGS
+#: ``LLM``'s keyword arguments besides the model and ``startup``: every option of
+#: ``engine_args.ENGINE_ARGS`` and every start-up option (:class:`~warmcap.config.StartupOptions`).
+LLM_KWARGS: tuple[str, ...] = (*ENGINE_KWARGS, *STARTUP_OPTION_NAMES)
 
 
 class LLM:
@@ -28,20 +28,19 @@ class LLM:
     """
 
     def __init__(
-        self, model: str = "smollm2-135m", *, audit: bool = True, audit_serving: bool = False, **kwargs: Any
+        self, model: str = "smollm2-135m", *, startup: StartupOptions | None = None, **kwargs: Any
     ) -> None:
-        """``audit=False`` runs warmup without its KV-write audit (on by default on every device);
-        ``audit_serving=True`` audits the KV writes of every step (see :class:`LLMEngine`).
+        """Start-up options come as ``startup=StartupOptions(...)`` or by name (``audit=False`` runs
+        warmup without its KV-write audit, ``audit_serving=True`` audits every step's writes,
+        ``backend``, ``capture_sizes``, ``startup_cache``), with the defaults of
+        :class:`~warmcap.config.StartupOptions`, the same as ``warmup run`` and ``warmup serve``.
 
         Raises :class:`~warmcap.warmup.audit.AuditViolationError` when the start-up audit finds a
         stray KV write: an engine whose cache may be corrupted is never handed out.
         """
-        hooks = None
-        if not audit:
-            hooks = [partial(h, audit=False) if h is warmup_hook else h for h in DEFAULT_STARTUP_HOOKS]
-        self.engine = LLMEngine(
-            build_config(model, **kwargs), startup_hooks=hooks, audit_serving=audit_serving
-        )
+        named = {k: kwargs.pop(k) for k in STARTUP_OPTION_NAMES if k in kwargs}
+        options = StartupOptions.resolve(startup, named)
+        self.engine = LLMEngine(build_config(model, **kwargs), startup=options)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (``tensor_parallel_size > 1``); idempotent.

@@ -4,10 +4,11 @@ compiled CPU kernels (``kernels/``) and the start-up cache (``startup/``)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from warmcap import env
 
 
 def cache_dir() -> Path:
     """The warmcap cache folder: ``$WARMCAP_CACHE`` or ``~/.cache/warmcap``."""
-    return Path(os.environ.get("WARMCAP_CACHE") or Path.home() / ".cache" / "warmcap").expanduser()
+    return Path(env.read("WARMCAP_CACHE") or Path.home() / ".cache" / "warmcap").expanduser()

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
+from typing import Any
 
-from warmcap.config import EngineConfig
-from warmcap.engine import LLMEngine
-from warmcap.graphs.hook import graph_capture_hook
+from warmcap.config import EngineConfig, StartupOptions
+from warmcap.engine import LLMEngine, startup_hooks_for
 from warmcap.graphs.proof.report import CaptureReport, SpecDecodeStats, SpecInfo, WarmupAudit
 from warmcap.models.batch_invariant import is_batch_invariant
 from warmcap.sampling_params import SamplingParams
 from warmcap.startup_hooks import StartupEvent, StartupObserver, current_observer, notify
-from warmcap.warmup.hook import warmup_hook
 
 #: Short, varied prompts: enough to exercise prefill, decode and drafting in a few seconds.
 SMOKE_PROMPTS = (
@@ -51,35 +49,27 @@ class StartupRun:
 
 def run_startup(
     config: EngineConfig,
+    startup: StartupOptions | None = None,
     *,
-    backend: str | None = None,
-    capture_sizes: list[int] | None = None,
-    audit: bool = True,
-    audit_serving: bool = False,
     smoke_tokens: int = 16,
     num_smoke_prompts: int = 2,
     observer: StartupObserver | None = None,
-    startup_cache: bool = False,
+    **options: Any,
 ) -> StartupRun:
     """Start an engine with warmup and graph hooks, run a short greedy generation, build the report.
 
-    ``audit=False`` runs warmup without its KV-write audit (``--no-audit``); the report then says
-    "audit off". A warmup audit violation does not raise here: the report carries it (``audit_violations``) and
+    ``startup`` (or its options by name, as ``LLM`` takes them): :class:`StartupOptions`, whose
+    defaults are every caller's. With ``audit=False`` (``--no-audit``) the report says "audit off".
+    A warmup audit violation does not raise here: the report carries it (``audit_violations``) and
     the caller refuses (``warmup run`` exits 1, ``warmup serve`` never becomes ready); the smoke
     generation is skipped then, as the cache may be corrupted. ``audit_serving`` audits every step
     the engine runs afterwards, the smoke generation included.
     Each phase is reported to ``observer`` (default: the one set by ``startup_hooks.observing``).
-    ``startup_cache``: reuse graph verdicts of an identical earlier start
-    (:mod:`warmcap.graphs.proof.startup_cache`; ``warmup run`` turns it on).
     """
     observer = observer or current_observer()
-    hooks = [
-        partial(warmup_hook, audit=audit, strict=False),
-        partial(
-            graph_capture_hook, backend=backend, capture_sizes=capture_sizes, startup_cache=startup_cache
-        ),
-    ]
-    engine = LLMEngine(config, startup_hooks=hooks, audit_serving=audit_serving, observer=observer)
+    startup = StartupOptions.resolve(startup, options)
+    hooks = startup_hooks_for(startup, strict=False)
+    engine = LLMEngine(config, startup=startup, startup_hooks=hooks, observer=observer)
     warm = engine.warmup_result
     graphs = engine.graph_startup
     if warm is None:

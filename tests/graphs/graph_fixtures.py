@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig
 
-from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from warmcap.config import (
+    CacheConfig,
+    EngineConfig,
+    KernelConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.kv_spec import group_layers
 from warmcap.models.llama import LlamaForCausalLM
@@ -46,7 +53,12 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def make_rig(
-    *, k: int = 0, max_num_seqs: int = 4, budget: int = 24, model: LlamaForCausalLM | None = None
+    *,
+    k: int = 0,
+    max_num_seqs: int = 4,
+    budget: int = 24,
+    model: LlamaForCausalLM | None = None,
+    kernel: KernelConfig | None = None,
 ) -> Rig:
     model = model or tiny_llama()
     config = EngineConfig(
@@ -56,6 +68,7 @@ def make_rig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN
         ),
         speculative=SpeculativeConfig("eagle", num_speculative_tokens=k) if k else None,
+        kernel=kernel or KernelConfig(),
     )
     groups = group_layers(model.kv_layer_specs(BLOCK_SIZE))
     manager = KVCacheManager(groups, NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)

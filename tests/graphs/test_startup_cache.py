@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import torch
 from graph_fixtures import make_rig, tiny_llama
 
+from warmcap.config import KERNEL_CHOICES, KernelConfig
 from warmcap.graphs.capture import capturer as capture_module
 from warmcap.graphs.proof import safety as safety_module
 from warmcap.graphs.proof import startup_cache
@@ -188,25 +188,21 @@ def test_any_change_to_the_key_misses(cache_dir, model_dir, monkeypatch, change)
     assert len(list(cache_dir.glob("*.json"))) == 2  # a second entry beside the first
 
 
-@pytest.mark.parametrize("switch", startup_cache.KERNEL_ENV)
-def test_every_kernel_switch_is_part_of_the_key(monkeypatch, switch: str) -> None:
-    """A switch that changes which kernels (so which roundings) a forward runs, the CUDA fused ops
-    and the forced ISA included, changes the key: no verdict proven on other kernels is reused."""
-    monkeypatch.delenv(switch, raising=False)
-    before = startup_cache.kernel_switches()
-    monkeypatch.setenv(switch, "torch")
-    assert startup_cache.kernel_switches() != before
-
-
-def test_the_key_lists_every_switch_the_kernel_code_reads() -> None:
-    """Every ``WARMCAP_*`` variable named in the kernel and model code is a key switch (the list is
-    kept by hand, and once missed ``WARMCAP_FUSED_OPS``), except the model-conversion switch."""
-    src = Path(startup_cache.__file__).parents[2]
-    named = set()
-    for folder in ("cpu_kernels", "models"):
-        for path in (src / folder).glob("*.py"):
-            named |= set(re.findall(r'"(WARMCAP_[A-Z_]+)"', path.read_text()))
-    assert named - {"WARMCAP_REBUILD"} <= set(startup_cache.KERNEL_ENV)
+def test_every_kernel_setting_misses_the_cache(cache_dir, model_dir) -> None:
+    """Each setting that picks a forward's kernels (so its roundings) is a field of the config, and
+    flipping any one of them, the CUDA fused ops and the ISA included, is a new key: a start never
+    reuses a verdict proven on other kernels. The fields are read from the config itself, so a
+    setting added later is covered without touching this test."""
+    base = KernelConfig(**{name: allowed[0] for name, (allowed, _) in KERNEL_CHOICES.items()})
+    start(cache_dir, model_dir, kernel=base)
+    assert {f.name for f in fields(KernelConfig)} == set(KERNEL_CHOICES)
+    for name, (allowed, _) in KERNEL_CHOICES.items():
+        flipped = replace(base, **{name: allowed[1]})
+        after = start(cache_dir, model_dir, kernel=flipped)
+        assert after.startup_cache is not None and after.startup_cache.hits == 0, name
+    # ... while the same settings again hit.
+    again = start(cache_dir, model_dir, kernel=base)
+    assert again.startup_cache is not None and again.startup_cache.hits > 0
 
 
 def test_a_touch_that_changes_no_byte_still_hits(cache_dir, model_dir) -> None:

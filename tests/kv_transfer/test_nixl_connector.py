@@ -18,6 +18,7 @@ from warmcap.config import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StartupOptions,
 )
 from warmcap.engine import LLMEngine
 from warmcap.errors import ConfigError, NonFiniteLogitsError
@@ -41,7 +42,7 @@ def _engine(
         if role
         else None,
     )
-    return LLMEngine(config, startup_hooks=None if hooks else [], audit_serving=audit)
+    return LLMEngine(config, startup=StartupOptions(audit_serving=audit), startup_hooks=None if hooks else [])
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from serve_fixtures import running
 
+from warmcap.config import StartupOptions
 from warmcap.llm import build_config
 from warmcap.models.presets import resolve_model
 from warmcap.serve import ServeOptions, build_app
@@ -79,7 +80,7 @@ def hf_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _served(spec: str | None, cache_dir: Path) -> dict[str, Any]:
     config = build_config(MODEL, speculative_config=spec, **ENGINE_KW)
-    with running(build_app(config, ServeOptions(capture_sizes=[1, 2, 4, 8]))) as srv:
+    with running(build_app(config, ServeOptions(startup=StartupOptions(capture_sizes=(1, 2, 4, 8))))) as srv:
         srv.wait_ready()
         args = {
             "model": MODEL,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from serve_fixtures import running
 
+from warmcap.config import StartupOptions
 from warmcap.llm import LLM, build_config
 from warmcap.sampling_params import SamplingParams
 from warmcap.serve import ServeOptions, build_app
@@ -33,7 +34,7 @@ def test_smollm2_greedy_completions_and_chat_equal_offline() -> None:
     assert ids == want_chat.prompt_token_ids
 
     config = build_config(MODEL, **ENGINE_KW)
-    with running(build_app(config, ServeOptions(capture_sizes=[1, 2]))) as srv:
+    with running(build_app(config, ServeOptions(startup=StartupOptions(capture_sizes=(1, 2))))) as srv:
         srv.wait_ready()
         client = srv.client()
         got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0)

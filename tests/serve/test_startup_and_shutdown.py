@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 import warmcap.warmup.hook
 from server_procs import cluster, free_port
 from warmcap.cli import app as cli_app
+from warmcap.config import StartupOptions
 from warmcap.llm import build_config
 from warmcap.models.presets import resolve_model_path
 from warmcap.serve import ServeOptions, build_app
@@ -35,7 +36,7 @@ def test_self_drafting_moves_spec_counters() -> None:
         speculative_config="draft_model:2",
         device="cpu",
     )
-    with running(build_app(config, ServeOptions(capture_sizes=[1, 3]))) as srv:
+    with running(build_app(config, ServeOptions(startup=StartupOptions(capture_sizes=(1, 3))))) as srv:
         srv.wait_ready()
         before = srv.metrics()
         assert [

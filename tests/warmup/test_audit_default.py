@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from warmcap.cli import app
-from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StartupOptions
 from warmcap.engine import LLMEngine
 from warmcap.graphs.proof.render import render
 from warmcap.graphs.proof.report import CaptureReport
@@ -83,7 +83,7 @@ def test_warmup_run_no_audit_says_audit_off_in_text_and_json() -> None:
 
 
 def test_server_startup_report_says_audit_off() -> None:
-    started = start_engine(_config(), audit=False)
+    started = start_engine(_config(), StartupOptions(audit=False))
     try:
         audit = json.loads(started.report_json)["warmup_audit"]
         assert audit["enabled"] is False and audit["slots_checked"] is None

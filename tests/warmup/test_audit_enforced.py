@@ -15,7 +15,14 @@ from typer.testing import CliRunner
 
 import warmcap.warmup.hook
 from warmcap.cli import app as cli_app
-from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from warmcap.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StartupOptions,
+)
 from warmcap.engine import LLMEngine
 from warmcap.llm import LLM
 from warmcap.sampling_params import SamplingParams
@@ -87,7 +94,7 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
 @pytest.mark.parametrize("spec", SPEC_METHODS)
 def test_audited_serving_generates_exactly_what_unaudited_serving_does(spec):
     plain = LLMEngine(_config(spec), startup_hooks=[])
-    audited = LLMEngine(_config(spec), startup_hooks=[], audit_serving=True)
+    audited = LLMEngine(_config(spec), startup=StartupOptions(audit_serving=True), startup_hooks=[])
     assert _generate(audited) == _generate(plain)
     totals = audited.serving_audit.totals
     assert totals.ok and totals.steps > 0 and totals.slots_checked > 0
@@ -125,7 +132,9 @@ def _drop_served_lookahead(allocate_slots):
 
 
 def _drafter_writing_past_its_blocks(audit_serving: bool) -> LLMEngine:
-    engine = LLMEngine(_config("dflash:7"), startup_hooks=[], audit_serving=audit_serving)
+    engine = LLMEngine(
+        _config("dflash:7"), startup=StartupOptions(audit_serving=audit_serving), startup_hooks=[]
+    )
     manager = engine.kv_cache_manager
     manager.allocate_slots = _drop_served_lookahead(type(manager).allocate_slots).__get__(manager)
     return engine

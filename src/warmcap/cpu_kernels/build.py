@@ -36,7 +36,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from warmcap.errors import WarmcapError
+from warmcap import env
+from warmcap.errors import ConfigError, WarmcapError
 from warmcap.paths import cache_dir
 
 #: ``-ffast-math`` stays out on purpose: the kernels rely on IEEE NaN/inf and an accurate ``expf``.
@@ -57,12 +58,34 @@ def cpu_has(flag: str) -> bool:
     return flag in _cpu_flags().split()
 
 
+#: the instruction set this process's kernels are built for, once an engine chose it (:func:`use_isa`)
+_process_isa: str | None = None
+
+
 def selected_isa() -> str:
-    """The ``WARMCAP_CPU_ISA`` in force (``native`` when unset); an unknown value is refused."""
-    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    """The instruction set in force: the one an engine set (:func:`use_isa`), else the config's
+    default (``WARMCAP_CPU_ISA``, else ``native``); an unknown value is refused."""
+    isa = _process_isa
+    if isa is None:
+        isa = env.read(ISA_ENV).lower()
     if isa not in ISAS:
         raise KernelBuildError(f"{ISA_ENV}={isa!r} is not one of {', '.join(ISAS)}: unset it or pick one")
     return isa
+
+
+def use_isa(isa: str) -> None:
+    """Build and load this process's kernels for ``isa`` (the config's ``kernel.cpu_isa``). A
+    process holds one build of each kernel (its operators are registered once), so once a kernel
+    is loaded for another instruction set the request is refused with ConfigError."""
+    global _process_isa
+    if isa not in ISAS:
+        raise ConfigError(f"cpu_isa {isa!r} is not one of {', '.join(ISAS)}: pick one")
+    if _loaded and isa != selected_isa():
+        raise ConfigError(
+            f"cpu_isa {isa!r}: this process already loaded its CPU kernels for {selected_isa()!r}, and a "
+            "process holds one build; start the engine in a new process (or give the same cpu_isa)"
+        )
+    _process_isa = isa
 
 
 def isa_flags(isa: str) -> tuple[str, ...]:
@@ -156,7 +179,7 @@ class KernelBuildError(WarmcapError):
 
 def compiler() -> str | None:
     """The C compiler: ``$CC`` when set, else ``cc`` or ``gcc`` from ``PATH``."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return (env.read("CC") or None) or shutil.which("cc") or shutil.which("gcc")
 
 
 def kernels_dir() -> Path:

@@ -230,10 +230,11 @@ class Gemm:
         return x.dim() > 0 and x.shape[-1] == weight.in_features and kernel_can_take(x)
 
 
-def load_gemm() -> Gemm | None:
+def load_gemm(mode: str | None = None) -> Gemm | None:
     """The GEMM, or None for oneDNN's (``torch`` mode, or ``auto`` and no working compiler: then
-    one warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead."""
+    one warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead. ``mode``:
+    the config's ``kernel.cpu_gemm`` (None: its default)."""
     lib = load_by_mode(
-        ENV, SOURCE, what="the CPU GEMM", instead="oneDNN's packed product", log=log, bind=_bind
+        "cpu_gemm", mode, SOURCE, what="the CPU GEMM", instead="oneDNN's packed product", log=log, bind=_bind
     )
     return None if lib is None else Gemm()

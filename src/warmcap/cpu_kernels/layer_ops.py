@@ -272,8 +272,11 @@ class LayerOps:
         return torch.ops.warmcap.greedy_candidates.default(approx, cx, absolute, norms, scratch)
 
 
-def load_layer_ops() -> LayerOps | None:
+def load_layer_ops(mode: str | None = None) -> LayerOps | None:
     """The ops, or None for torch's (``torch`` mode, or ``auto`` and no working compiler: then one
-    warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead."""
-    lib = load_by_mode(ENV, SOURCE, what="the CPU layer ops", instead="torch's", log=log, bind=_bind)
+    warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead. ``mode``: the
+    config's ``kernel.cpu_layer_ops`` (None: its default)."""
+    lib = load_by_mode(
+        "cpu_layer_ops", mode, SOURCE, what="the CPU layer ops", instead="torch's", log=log, bind=_bind
+    )
     return None if lib is None else LayerOps()

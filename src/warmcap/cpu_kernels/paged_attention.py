@@ -301,10 +301,17 @@ class PagedAttentionKernel:
         )
 
 
-def load_paged_attention() -> PagedAttentionKernel | None:
+def load_paged_attention(mode: str | None = None) -> PagedAttentionKernel | None:
     """The kernel, or None for gather + SDPA (``torch`` mode, or ``auto`` and no working compiler:
-    then one warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead."""
+    then one warning with the reason). ``kernel`` mode raises :class:`ConfigError` instead.
+    ``mode``: the config's ``kernel.cpu_attention`` (None: its default)."""
     lib = load_by_mode(
-        ENV, SOURCE, what="the CPU attention kernel", instead="gather + SDPA", log=log, bind=_bind
+        "cpu_attention",
+        mode,
+        SOURCE,
+        what="the CPU attention kernel",
+        instead="gather + SDPA",
+        log=log,
+        bind=_bind,
     )
     return None if lib is None else PagedAttentionKernel()

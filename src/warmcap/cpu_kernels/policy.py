@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -24,16 +23,21 @@ Mode = Literal["auto", "torch", "kernel"]
 MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
 
 
-def kernel_mode(env: str) -> Mode:
-    """The mode ``$env`` asks for (``auto`` when unset)."""
-    value = os.environ.get(env, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ConfigError(f"{env}={value!r} is not a CPU kernel mode; use one of {', '.join(MODES)}")
-    return value  # type: ignore[return-value]
+def kernel_mode(field: str, mode: str | None) -> Mode:
+    """``mode``, or when None the default of the kernel config's ``field`` (its environment
+    variable, else ``auto``: ``config.KernelConfig``); ConfigError for anything else."""
+    if mode is None:
+        from warmcap.config import KernelConfig
+
+        mode = getattr(KernelConfig(), field)
+    if mode not in MODES:
+        raise ConfigError(f"{field} {mode!r} is not a CPU kernel mode; use one of {', '.join(MODES)}")
+    return mode  # type: ignore[return-value]
 
 
 def load_by_mode(
-    env: str,
+    field: str,
+    mode: str | None,
     source: str,
     *,
     what: str,
@@ -41,12 +45,12 @@ def load_by_mode(
     log: logging.Logger,
     bind: Callable[[ctypes.CDLL], object] | None = None,
 ) -> ctypes.CDLL | None:
-    """The library built from ``source`` as ``$env`` allows: None in ``torch`` mode, or in ``auto``
-    mode when it cannot be built (then a warning on ``log`` naming ``what`` is unavailable and
+    """The library built from ``source`` as the kernel config's ``field`` (set to ``mode``; None:
+    its default) allows: None in ``torch`` mode, or in ``auto`` mode when it cannot be built (then a warning on ``log`` naming ``what`` is unavailable and
     ``instead`` runs, or an INFO line when the failure is an earlier process's, recorded in the
     cache); ``kernel`` mode raises :class:`ConfigError` instead. ``bind(lib)`` runs on the loaded
     library first, and may refuse it with a :class:`KernelBuildError` of its own."""
-    mode = kernel_mode(env)
+    mode = kernel_mode(field, mode)
     if mode == "torch":
         return None
     try:
@@ -56,9 +60,10 @@ def load_by_mode(
         return lib
     except KernelBuildError as exc:
         if mode == "kernel":
-            raise ConfigError(f"{env}=kernel but {what} cannot be built: {exc}") from exc
+            raise ConfigError(f"{field} 'kernel' but {what} cannot be built: {exc}") from exc
         level = logging.INFO if exc.recorded else logging.WARNING
-        log.log(level, "%s is unavailable, using %s (set %s=torch to silence): %s", what, instead, env, exc)
+        flag = "--" + field.replace("_", "-")
+        log.log(level, "%s is unavailable, using %s (set %s torch to silence): %s", what, instead, flag, exc)
         return None
 
 

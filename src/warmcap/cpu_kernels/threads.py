@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
+from warmcap import env
 from warmcap.errors import ConfigError
 
 log = logging.getLogger("warmcap.cpu_threads")
@@ -53,9 +54,9 @@ def prefer_yielding_wait() -> None:
     """Make OpenMP threads that wait sleep soon (``GOMP_SPINCOUNT``), unless the user chose a wait
     policy. Takes effect in this process only when torch (its OpenMP runtime) is not loaded yet,
     and in every process started from it afterwards."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    if env.is_set("OMP_WAIT_POLICY"):
         return
-    os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+    env.set_default("GOMP_SPINCOUNT", SPIN_COUNT)
 
 
 @cache
@@ -212,8 +213,8 @@ def local_rank_and_size(rank: int, world_size: int) -> tuple[int, int]:
     """This process's rank among the ranks on this machine and their number: torchrun's
     ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` when set (ranks launched over several machines), else
     ``rank`` of ``world_size`` (every rank spawned here)."""
-    local, size = os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and size is not None:
+    local, size = env.read("LOCAL_RANK"), env.read("LOCAL_WORLD_SIZE")
+    if local and size:
         try:
             return int(local), int(size)
         except ValueError:

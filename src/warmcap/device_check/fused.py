@@ -7,7 +7,6 @@ SmolLM2 bf16 with and without them: kernels a layer (target: <= 15) and the gree
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -93,17 +92,15 @@ def fused_op_comparison(device: str = "cuda", model: str = "smollm2-135m") -> di
 
     def engine(fused: bool) -> LLMEngine:
         config = build_config(
-            model, device=device, dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=2
+            model,
+            device=device,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=512,
+            max_num_seqs=2,
+            fused_ops="auto" if fused else "torch",
         )
-        before = os.environ.get("WARMCAP_FUSED_OPS")
-        os.environ["WARMCAP_FUSED_OPS"] = "auto" if fused else "torch"
-        try:
-            eng = LLMEngine(config, startup_hooks=[])
-        finally:
-            if before is None:
-                os.environ.pop("WARMCAP_FUSED_OPS")
-            else:
-                os.environ["WARMCAP_FUSED_OPS"] = before
+        eng = LLMEngine(config, startup_hooks=[])
         has_ops = getattr(eng.runner.model.model.norm, "fused_ops", None) is not None
         if fused and not has_ops:
             # CPU: the loader attaches no fused ops there; the interpreter runs them for this check.

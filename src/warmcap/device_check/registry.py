@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -13,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from warmcap import env
 
 CheckFn = Callable[["CheckContext"], dict[str, Any]]
 
@@ -107,26 +108,32 @@ class CheckContext:
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.is_cuda else str(self.device)
 
-    def config(self, case: EngineCase, *, attention: str = "auto", tensor_parallel_size: int = 1) -> Any:
-        from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    def startup(self, *, audit: bool = True) -> Any:
+        """The start-up options of a check's engine: this context's backend and sizes, every graph
+        verified afresh (no verdict cache: a check measures, it does not reuse)."""
+        from warmcap.config import StartupOptions
 
-        return EngineConfig(
-            model=ModelConfig(
-                model=case.model,
-                dtype=case.dtype,
-                device=self.device.type,
-                batch_invariant=case.batch_invariant,
-                attention_backend=attention,
-            ),
-            cache=CacheConfig(
-                block_size=16, num_blocks=self.num_blocks, mamba_cache_mode=self.mamba_cache_mode
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-            ),
-            speculative=SpeculativeConfig.parse(case.spec),
+        sizes = None if self.capture_sizes is None else tuple(self.capture_sizes)
+        return StartupOptions(backend=self.backend, capture_sizes=sizes, audit=audit, startup_cache=False)
+
+    def config(self, case: EngineCase, *, attention: str = "auto", tensor_parallel_size: int = 1) -> Any:
+        """The engine config of ``case``, built through the front door every user takes
+        (``engine_args.build_config``, as ``LLM(...)`` and the commands build theirs)."""
+        from warmcap.engine_args import build_config
+
+        return build_config(
+            case.model,
+            dtype=case.dtype,
+            device=self.device.type,
+            batch_invariant=case.batch_invariant,
+            attention_backend=attention,
+            block_size=16,
+            num_blocks=self.num_blocks,
+            mamba_cache_mode=self.mamba_cache_mode,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            speculative_config=case.spec,
             tensor_parallel_size=tensor_parallel_size,
         )
 
@@ -214,7 +221,7 @@ def timed(ctx: CheckContext, fn: Callable[[], Any], iters: int) -> float:
 
 def out_path(results: dict[str, Any], name: str = "gpu_check.json") -> str | None:
     """Write ``results`` as JSON into ``$OUT`` when it is set; the path written, else None."""
-    out_dir = os.environ.get("OUT")
+    out_dir = env.read("OUT")
     if not out_dir:
         return None
     path = Path(out_dir) / name

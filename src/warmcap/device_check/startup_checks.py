@@ -25,13 +25,13 @@ def tensor_parallel(ctx: CheckContext) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=ctx.max_tokens)
     prompts = list(ctx.prompts)
     t0 = time.perf_counter()
-    run = run_startup(ctx.config(TP_CASE, tensor_parallel_size=2))
+    run = run_startup(ctx.config(TP_CASE, tensor_parallel_size=2), ctx.startup())
     startup_s = time.perf_counter() - t0
     try:
         two = [o.token_ids for o in run.engine.generate(prompts, [params] * len(prompts))]
     finally:
         run.engine.shutdown()
-    one_engine = run_startup(ctx.config(TP_CASE)).engine
+    one_engine = run_startup(ctx.config(TP_CASE), ctx.startup()).engine
     try:
         one = [o.token_ids for o in one_engine.generate(prompts, [params] * len(prompts))]
     finally:
@@ -65,12 +65,7 @@ def audit_cost(ctx: CheckContext) -> dict[str, Any]:
     runs = {}
     for audit in (True, False):
         t0 = time.perf_counter()
-        run = run_startup(
-            ctx.config(ctx.audit_case),
-            backend=ctx.backend,
-            capture_sizes=None if ctx.capture_sizes is None else list(ctx.capture_sizes),
-            audit=audit,
-        )
+        run = run_startup(ctx.config(ctx.audit_case), ctx.startup(audit=audit))
         total = time.perf_counter() - t0
         run.engine.shutdown()
         a = run.report.warmup_audit

@@ -31,6 +31,7 @@ import pickle
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,7 +109,7 @@ class TPExecutor:
         n = config.tensor_parallel_size
         launched = launched_rank()
         if launched is None:
-            executor, rendezvous = cls._spawn(n, device, timeout_s)
+            executor, rendezvous = cls._spawn(n, device, timeout_s, config.kernel.tp_comm)
         else:
             if launched != 0:
                 raise ConfigError(
@@ -116,7 +117,7 @@ class TPExecutor:
                     "launch and cannot run an engine; start it with `warmup worker` (or the same warmup "
                     "command as rank 0), or call warmcap.distributed.launch.run_launched_worker()"
                 )
-            rendezvous = launched_rendezvous(device_type=device.type)
+            rendezvous = replace(launched_rendezvous(device_type=device.type), tp_comm=config.kernel.tp_comm)
             if rendezvous.world_size != n:
                 raise ConfigError(
                     f"WORLD_SIZE={rendezvous.world_size} in the environment but tensor_parallel_size = {n}; "
@@ -131,8 +132,10 @@ class TPExecutor:
         return executor
 
     @classmethod
-    def _spawn(cls, n: int, device: torch.device, timeout_s: float) -> tuple[TPExecutor, Rendezvous]:
-        rendezvous = rendezvous_for(n, device_type=device.type)
+    def _spawn(
+        cls, n: int, device: torch.device, timeout_s: float, tp_comm: str
+    ) -> tuple[TPExecutor, Rendezvous]:
+        rendezvous = replace(rendezvous_for(n, device_type=device.type), tp_comm=tp_comm)
         # NOTE: the workers are fresh processes: their OpenMP runtime starts with this environment.
         prefer_yielding_wait()
         ctx = mp.get_context("spawn")

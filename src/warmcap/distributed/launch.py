@@ -19,7 +19,6 @@ shuts the engine down and 1 when it fails or rank 0 goes away.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 import traceback
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from warmcap import env
 from warmcap.distributed.channel import CommandChannel, Launch
 from warmcap.distributed.rendezvous import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -133,8 +133,8 @@ def _local_model_path(launch: Launch) -> Path:
 
 
 def _local_rank(rank: int) -> int:
-    raw = os.environ.get("LOCAL_RANK")
-    if raw is None:
+    raw = env.read("LOCAL_RANK")
+    if not raw:
         return rank
     try:
         return int(raw)

@@ -11,7 +11,6 @@ ranks that turn out to share one machine also share memory (:func:`local_group`,
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from warmcap import env
 from warmcap.contracts.parallel import ParallelState, set_parallel_state
 from warmcap.errors import ConfigError
 
@@ -45,6 +45,8 @@ class Rendezvous:
     master_port: int
     world_size: int
     backend: str = "gloo"
+    #: collectives of the ranks of one machine (the config's ``kernel.tp_comm``; None: its default)
+    tp_comm: str | None = None
 
     @property
     def init_method(self) -> str:
@@ -62,14 +64,14 @@ def rendezvous_for(world_size: int, *, device_type: str = "cpu") -> Rendezvous:
     """The group's meeting point: ``MASTER_ADDR``/``MASTER_PORT`` when set (their ``WORLD_SIZE``
     must agree with ``world_size``), else 127.0.0.1 at a free port."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    env_world = os.environ.get("WORLD_SIZE")
-    if env_world is not None and int(env_world) != world_size:
+    env_world = env.read("WORLD_SIZE")
+    if env_world and int(env_world) != world_size:
         raise ConfigError(
             f"WORLD_SIZE={env_world} in the environment but tensor_parallel_size = {world_size}; "
             "set them to the same value (or unset WORLD_SIZE for a single-machine launch)"
         )
-    addr = os.environ.get("MASTER_ADDR")
-    port = os.environ.get("MASTER_PORT")
+    addr = env.read("MASTER_ADDR")
+    port = env.read("MASTER_PORT")
     if addr and port:
         return Rendezvous(addr, int(port), world_size, backend)
     return Rendezvous("127.0.0.1", free_port(), world_size, backend)
@@ -81,10 +83,10 @@ def launched_rank() -> int | None:
     Raises :class:`ConfigError` when ``RANK`` is set but the rest of the launch environment is
     missing or does not add up, naming the variable and its value.
     """
-    raw = os.environ.get("RANK")
-    if raw is None:
+    if not env.is_set("RANK"):
         return None
-    missing = [name for name in LAUNCH_ENV if not os.environ.get(name)]
+    raw = env.read("RANK")
+    missing = [name for name in LAUNCH_ENV if not env.is_set(name)]
     if missing:
         raise ConfigError(
             f"RANK={raw} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: a "
@@ -94,9 +96,9 @@ def launched_rank() -> int | None:
     values = {}
     for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
         try:
-            values[name] = int(os.environ[name])
+            values[name] = int(env.read(name))
         except ValueError:
-            raise ConfigError(f"{name}={os.environ[name]!r} is not an integer; set it to one") from None
+            raise ConfigError(f"{name}={env.read(name)!r} is not an integer; set it to one") from None
     rank, world = values["RANK"], values["WORLD_SIZE"]
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(
@@ -110,9 +112,9 @@ def launched_rendezvous(*, device_type: str = "cpu") -> Rendezvous:
     """The meeting point a launcher set in the environment (see :func:`launched_rank`)."""
     launched_rank()  # checks the whole environment
     return Rendezvous(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        int(os.environ["WORLD_SIZE"]),
+        env.read("MASTER_ADDR"),
+        int(env.read("MASTER_PORT")),
+        int(env.read("WORLD_SIZE")),
         "nccl" if device_type == "cuda" else "gloo",
     )
 
@@ -131,7 +133,7 @@ def join_group(
     # on it (group_store). Rank 0 serves it, so it lives as long as the engine's process — unless
     # torchrun's agent already serves one at MASTER_PORT (it says so in the environment), which
     # every rank then joins as a client.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_store = env.read("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         rendezvous.master_addr,
         rendezvous.master_port,
@@ -149,7 +151,7 @@ def join_group(
 
         global _local
         try:
-            _local = open_local_group(rank, rendezvous.world_size, timeout_s)
+            _local = open_local_group(rank, rendezvous.world_size, timeout_s, mode=rendezvous.tp_comm)
         except BaseException:
             leave_group()
             raise

@@ -18,7 +18,6 @@ addition gloo makes too, bit for bit (``tests/distributed/test_shm.py``).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +34,16 @@ ENV = "WARMCAP_TP_COMM"
 _MODES = ("auto", "shm", "gloo")
 
 
-def comm_mode() -> str:
-    """``$WARMCAP_TP_COMM`` (default ``auto``); ConfigError for another value."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in _MODES:
-        raise ConfigError(f"{ENV}={value!r} is not a tensor-parallel transport; use auto, shm or gloo")
-    return value
+def comm_mode(mode: str | None = None) -> str:
+    """The config's ``kernel.tp_comm`` (``mode``; None: its default, ``$WARMCAP_TP_COMM``, else
+    ``auto``); ConfigError for another value."""
+    if mode is None:
+        from warmcap.config import KernelConfig
+
+        mode = KernelConfig().tp_comm
+    if mode not in _MODES:
+        raise ConfigError(f"tp_comm {mode!r} is not a tensor-parallel transport; use auto, shm or gloo")
+    return mode
 
 
 class ShmCommunicator:
@@ -129,12 +132,12 @@ class LocalGroup:
 
 
 def open_local_group(
-    rank: int, world_size: int, timeout_s: float, *, layout: Layout | None = None
+    rank: int, world_size: int, timeout_s: float, *, layout: Layout | None = None, mode: str | None = None
 ) -> LocalGroup | None:
     """Every rank of the (gloo) default group calls this right after joining; the group's
     shared-memory planes when all ranks can share memory, else None (every rank gets the same).
-    ``layout``: the segment's sizes (tests shrink them)."""
-    mode = comm_mode()
+    ``layout``: the segment's sizes (tests shrink them); ``mode``: the config's ``kernel.tp_comm``."""
+    mode = comm_mode(mode)
     views: list[tuple[str, str, bool]] = [("", "", False)] * world_size
     dist.all_gather_object(views, (host_key(), mode, SHM_DIR.is_dir()))
     one_host = len({v[0] for v in views}) == 1 and all(v[2] for v in views)

@@ -23,6 +23,7 @@ from warmcap.assembly import assemble
 from warmcap.config import EngineConfig
 from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
+from warmcap.cpu_kernels.build import use_isa
 from warmcap.cpu_kernels.threads import start_threads
 from warmcap.distributed.channel import CommandChannel, Launch, RunHook, Step, Stop
 from warmcap.distributed.rank_report import summarize
@@ -95,11 +96,14 @@ def build_rank(
     hf_config = load_hf_config(model_path)
     free_bytes = free_memory_bytes(device)
     torch.manual_seed(config.model.seed)
+    if device.type == "cpu":
+        use_isa(config.kernel.cpu_isa)
     model = load_model(
         model_path,
         dtype=TORCH_DTYPES[config.model.dtype],
         device=device,
         batch_invariant=config.model.batch_invariant,
+        kernels=config.kernel,
     )
     with replicated():
         drafter = build_drafter(config, model)
@@ -119,7 +123,10 @@ def build_rank(
         num_blocks,
         device=device,
         attn_backend=select_backend(
-            device, name=config.model.attention_backend, batch_invariant=config.model.batch_invariant
+            device,
+            name=config.model.attention_backend,
+            batch_invariant=config.model.batch_invariant,
+            cpu_attention=config.kernel.cpu_attention,
         ),
         drafter=drafter,
         channel=channel,

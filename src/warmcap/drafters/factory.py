@@ -183,7 +183,11 @@ def _draft_lm(config: EngineConfig, target: nn.Module, spec_model: str | None) -
         model = meta_model(path, config)[0]
     else:
         model = load_model(
-            path, dtype=target.dtype, device=device, batch_invariant=config.model.batch_invariant
+            path,
+            dtype=target.dtype,
+            device=device,
+            batch_invariant=config.model.batch_invariant,
+            kernels=config.kernel,
         )
     if model.hf_config.vocab_size != target.hf_config.vocab_size:
         raise ConfigError(

@@ -16,12 +16,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from warmcap import env
 from warmcap.core.reservation import blocks_covering
 from warmcap.errors import ConfigError
 from warmcap.kv_transfer.base import KVConnectorWorker
@@ -63,7 +63,7 @@ _Piece = tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]
 
 
 def _fault_pause() -> float:
-    text = os.environ.get(FAULT_PAUSE_ENV, "")
+    text = env.read(FAULT_PAUSE_ENV)
     try:
         return max(float(text), 0.0) if text else 0.0
     except ValueError:

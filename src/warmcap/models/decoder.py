@@ -176,12 +176,13 @@ class DecoderForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
-    def greedy_head(self) -> GreedyHead | FusedGreedyHead | None:
+    def greedy_head(self, setting: str | None = None) -> GreedyHead | FusedGreedyHead | None:
         """The exact screened argmax of :meth:`compute_logits` (``models/greedy_head.py``), built
         now, or with the fused ops on CUDA their one-launch argmax (``models/fused_ops.py``); None
         where neither applies: a family whose logits are more than ``lm_head(hidden)``, or a head
-        that is neither (batch-invariant, tensor-parallel, a GPU without the fused ops)."""
-        if not self._logits_are_the_head():
+        that is neither (batch-invariant, tensor-parallel, a GPU without the fused ops), or
+        ``setting`` (the config's ``kernel.exact_greedy_head``; None: its default) is off."""
+        if not self._logits_are_the_head() or not greedy_head_enabled(setting):
             return None
         fused = getattr(self.model.final_norm, "fused_ops", None)
         if fused is not None and type(self.lm_head) is nn.Linear and fused.accepts(self.lm_head.weight):
@@ -190,23 +191,25 @@ class DecoderForCausalLM(nn.Module):
             # CUDA with the fused ops: the head's product, then one argmax launch over it.
             return FusedGreedyHead(self.lm_head, fused)
         # The CPU layer ops, where the loader attached them, also hold the head's candidate test.
-        return GreedyHead.build(self.lm_head, getattr(self.model.final_norm, "cpu_ops", None))
+        return GreedyHead.build(self.lm_head, getattr(self.model.final_norm, "cpu_ops", None), setting)
 
     def _logits_are_the_head(self) -> bool:
         """:meth:`compute_logits` is ``lm_head(hidden)`` itself (not overridden by the family)."""
         return type(self).compute_logits is DecoderForCausalLM.compute_logits
 
-    def greedy_head_bytes(self, device: torch.device | str, *, batch_invariant: bool) -> int:
+    def greedy_head_bytes(
+        self, device: torch.device | str, *, batch_invariant: bool, setting: str | None = None
+    ) -> int:
         """What :meth:`greedy_head` will hold once this model is loaded on ``device`` and packed,
         decided by the rules of that build and of ``prepack_linears`` (not by what exists now), so a
         model on the meta device and the loaded one give the same number: KV sizing counts it
         (``assembly.resident_bytes``)."""
         head = self.lm_head
-        mode = screen_mode()
+        mode = screen_mode(setting)
         if (
             batch_invariant
             or torch.device(device).type != "cpu"
-            or not greedy_head_enabled()
+            or not greedy_head_enabled(setting)
             or not self._logits_are_the_head()
             or type(head) not in (nn.Linear, PackedLinear)
             or head.bias is not None

@@ -28,7 +28,6 @@ written them, at the pass's ``meta.slot_mapping`` (PAD to the sink), so the KV-w
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,19 +43,22 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_NORM_WIDTH = 16384
 
 
-def _mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", "torch"):
-        raise ConfigError(f"{ENV}={value!r} is not a fused-ops mode; use auto or torch")
-    return value
+def _mode(mode: str | None) -> str:
+    if mode is None:
+        from warmcap.config import KernelConfig
+
+        mode = KernelConfig().fused_ops
+    if mode not in ("auto", "torch"):
+        raise ConfigError(f"fused_ops {mode!r} is not a fused-ops mode; use auto or torch")
+    return mode
 
 
-def fused_ops_for(device: torch.device | str) -> FusedOps | None:
+def fused_ops_for(device: torch.device | str, mode: str | None = None) -> FusedOps | None:
     """The capability check: fused ops for a model on ``device``, or None (torch's ops). Only a
-    CUDA device with CUDA available and Triton importable gets them, unless ``$WARMCAP_FUSED_OPS``
-    is ``torch``."""
+    CUDA device with CUDA available and Triton importable gets them, unless the config's
+    ``kernel.fused_ops`` (``mode``; None: its default, ``$WARMCAP_FUSED_OPS``) is ``torch``."""
     device = torch.device(device)
-    if _mode() == "torch" or device.type != "cuda" or not torch.cuda.is_available():
+    if _mode(mode) == "torch" or device.type != "cuda" or not torch.cuda.is_available():
         return None
     if importlib.util.find_spec("triton") is None:
         return None

@@ -58,7 +58,6 @@ head's logic is tested on every CPU (the tests set it where oneDNN has no bf16).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,15 +98,24 @@ def can_screen() -> bool:
     return can_prepack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def enabled() -> bool:
-    """Whether ``$WARMCAP_EXACT_GREEDY_HEAD`` leaves the screened head on (it is unless "0")."""
-    return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+def _setting(setting: str | None) -> str:
+    """The config's ``kernel.exact_greedy_head`` (None: its default, ``WARMCAP_EXACT_GREEDY_HEAD``)."""
+    if setting is None:
+        from warmcap.config import KernelConfig
+
+        return KernelConfig().exact_greedy_head
+    return setting
 
 
-def screen_mode() -> str | None:
+def enabled(setting: str | None = None) -> bool:
+    """Whether the config's ``exact_greedy_head`` leaves the screened head on (it is unless "off")."""
+    return _setting(setting) != "off"
+
+
+def screen_mode(setting: str | None = None) -> str | None:
     """How a head would be screened here: ``"onednn"`` (bf16 GEMM), ``"portable"`` (forced by
-    ``WARMCAP_EXACT_GREEDY_HEAD=portable``) or None (no screen on this CPU)."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() == "portable":
+    ``exact_greedy_head="portable"``) or None (no screen on this CPU)."""
+    if _setting(setting) == "portable":
         return "portable" if can_prepack() else None
     return "onednn" if can_screen() else None
 
@@ -182,16 +190,19 @@ class GreedyHead:
     portable: bool = False
 
     @classmethod
-    def build(cls, head: nn.Module, ops: LayerOps | None = None) -> GreedyHead | None:
+    def build(
+        cls, head: nn.Module, ops: LayerOps | None = None, setting: str | None = None
+    ) -> GreedyHead | None:
         """The screened head of ``head``, or None where it cannot be exact or fast: not a packed
         float32 CPU linear without bias, no oneDNN bf16, or a weight with NaN/Inf. ``ops``: the
-        compiled CPU layer ops, whose candidate test replaces torch's passes when given."""
+        compiled CPU layer ops, whose candidate test replaces torch's passes when given.
+        ``setting``: the config's ``kernel.exact_greedy_head`` (None: its default)."""
         if type(head) is not PackedLinear or head.group is not None or head.bias is not None:
             return None
         weight = head.weight.detach()
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
-        mode = screen_mode()
+        mode = screen_mode(setting)
         if mode is None:
             return None
         # float64 norms never under- or overflow for float32 rows; rounded up so b_v only grows.

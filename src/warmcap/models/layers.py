@@ -86,13 +86,14 @@ class RMSNorm(nn.Module):
         return h, self(h)
 
 
-def attach_cpu_layer_ops(model: nn.Module) -> LayerOps | None:
+def attach_cpu_layer_ops(model: nn.Module, mode: str | None = None) -> LayerOps | None:
     """Hand the compiled CPU layer ops (``cpu_kernels/layer_ops.c``) to every module of ``model``
-    that can use them (those declaring ``cpu_ops``), when ``$WARMCAP_CPU_LAYER_OPS`` allows and they
-    build; returns them (None: the modules keep torch's ops)."""
+    that can use them (those declaring ``cpu_ops``), when the config's ``kernel.cpu_layer_ops``
+    (``mode``; None: its default) allows and they build; returns them (None: the modules keep
+    torch's ops)."""
     from warmcap.cpu_kernels.layer_ops import load_layer_ops
 
-    ops = load_layer_ops()
+    ops = load_layer_ops(mode)
     if ops is not None:
         for module in model.modules():
             if hasattr(type(module), "cpu_ops"):

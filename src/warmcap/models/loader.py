@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError
 
+from warmcap.config import KernelConfig
 from warmcap.contracts.parallel import parallel_state
 from warmcap.errors import ConfigError, ModelLoadError
 from warmcap.models.decoder import check_tensor_parallel
@@ -116,10 +117,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     batch_invariant: bool = False,
+    kernels: KernelConfig | None = None,
 ) -> nn.Module:
     """Build warmcap's implementation of the directory's architecture and load its weights
     (with batch-invariant linear layers when asked, :mod:`warmcap.models.batch_invariant`; else
     float32 CPU linears are prepacked for oneDNN, :mod:`warmcap.models.packed_linear`).
+    ``kernels``: the engine config's kernel switches (None: their defaults) — the compiled CPU
+    GEMM and layer ops, or the fused Triton ops on CUDA.
 
     Under tensor parallelism (:mod:`warmcap.contracts.parallel`) the model is this rank's shard and
     only this rank's slice of each sharded tensor is read from the files (``get_slice``).
@@ -179,15 +183,16 @@ def load_model(
         from warmcap.models.layers import attach_cpu_layer_ops
         from warmcap.models.packed_linear import prepack_linears
 
-        prepack_linears(model)
+        kernels = kernels or KernelConfig()
+        prepack_linears(model, gemm_mode=kernels.cpu_gemm)
         if torch.device(device).type == "cpu":
             # Compiled for and checked against CPU tensors only: a GPU model never builds them.
-            attach_cpu_layer_ops(model)
+            attach_cpu_layer_ops(model, kernels.cpu_layer_ops)
         else:
             from warmcap.models.fused_ops import attach_fused_ops, fused_ops_for
 
             # The capability check: the fused Triton ops on CUDA (models/fused_ops.py).
-            fused = fused_ops_for(device)
+            fused = fused_ops_for(device, kernels.fused_ops)
             if fused is not None:
                 attach_fused_ops(model, fused)
     return model.eval()

@@ -169,7 +169,9 @@ def _pack_group(owner: nn.Module, names: tuple[str, ...], gemm: Gemm | None) -> 
     return members
 
 
-def prepack_linears(model: nn.Module, *, groups: bool = True, gemm: Gemm | bool | None = True) -> int:
+def prepack_linears(
+    model: nn.Module, *, groups: bool = True, gemm: Gemm | bool | None = True, gemm_mode: str | None = None
+) -> int:
     """Turn every plain float32 CPU ``nn.Linear`` of ``model`` into a :class:`PackedLinear` in place;
     returns how many were packed (0 without oneDNN).
 
@@ -178,7 +180,8 @@ def prepack_linears(model: nn.Module, *, groups: bool = True, gemm: Gemm | bool 
     :func:`packed_group` (``groups=False``: each packed alone, the benchmark's peer).
 
     ``gemm``: the layout. True (the loader's) packs for the compiled GEMM when
-    ``$WARMCAP_CPU_GEMM`` allows it and it builds (:func:`~warmcap.cpu_kernels.gemm.load_gemm`),
+    the config's ``kernel.cpu_gemm`` (``gemm_mode``; None: its default) allows it and it builds
+    (:func:`~warmcap.cpu_kernels.gemm.load_gemm`),
     else for oneDNN; a :class:`~warmcap.cpu_kernels.gemm.Gemm` packs for that one; False or None
     for oneDNN. A weight shared by several modules (a tied LM head) is packed once per
     module that multiplies by it; the parameters themselves are untouched, so embeddings and state
@@ -187,7 +190,7 @@ def prepack_linears(model: nn.Module, *, groups: bool = True, gemm: Gemm | bool 
     if not can_prepack():
         return 0
     if gemm is True:
-        gemm = load_gemm() if any(_packable(m) for m in model.modules()) else None
+        gemm = load_gemm(gemm_mode) if any(_packable(m) for m in model.modules()) else None
     elif gemm is False:
         gemm = None
     count = 0

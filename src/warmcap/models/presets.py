@@ -21,6 +21,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from warmcap import env
 from warmcap.errors import ModelLoadError
 from warmcap.models.presets_extra import EXTRA_PRESET_VERSIONS, EXTRA_PRESETS
 from warmcap.models.tiny import TINY_PRESETS, write_tiny_model
@@ -67,7 +68,7 @@ def rebuild_hint(model_dir: Path) -> str:
 def _build_atomically(target: Path, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp)`` and rename ``tmp`` to ``target`` unless another process got there first
     (or, under ``WARMCAP_REBUILD=1``, replace ``target`` once per process)."""
-    rebuild = os.environ.get(REBUILD_ENV) == "1" and target not in _rebuilt
+    rebuild = env.read(REBUILD_ENV) == "1" and target not in _rebuilt
     if target.is_dir() and not rebuild:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,7 @@ class ModelRunner:
         self.logits_hook: LogitsHook | None = None
         #: the exact screened argmax over the LM head, used by steps that need nothing but argmaxes
         #: (:meth:`_greedy_argmax`); None: every step computes the full logits
-        self.greedy_head: GreedyHead | None = _build_greedy_head(model)
+        self.greedy_head: GreedyHead | None = _build_greedy_head(model, config.kernel.exact_greedy_head)
         self.num_steps = 0
         #: one step in flight (``core/scheduler.py``): the schedule's computed counts are optimistic
         #: and its drafts placeholders; the runner takes both from its own state
@@ -687,10 +687,11 @@ class ModelRunner:
         )
 
 
-def _build_greedy_head(model: Any) -> GreedyHead | None:
-    """The model's screened greedy head when it offers one and ``$WARMCAP_EXACT_GREEDY_HEAD`` is
-    not "0"; built once, with the runner, so no serving step pays for it."""
+def _build_greedy_head(model: Any, setting: str) -> GreedyHead | None:
+    """The model's screened greedy head when it offers one and the config's
+    ``kernel.exact_greedy_head`` (``setting``) is not off; built once, with the runner, so no
+    serving step pays for it."""
     build = getattr(model, "greedy_head", None)
-    if build is None or not greedy_head_enabled():
+    if build is None or not greedy_head_enabled(setting):
         return None
-    return build()
+    return build(setting)

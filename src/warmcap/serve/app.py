@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from warmcap import __version__
+from warmcap.config import StartupOptions
 from warmcap.serve.engine_loop import EngineLoop, StartFailure, State
 from warmcap.serve.errors import error_response, install_error_handlers
 from warmcap.serve.metrics import ServingMetrics
@@ -37,13 +38,9 @@ class ServeOptions:
 
     #: clients must send ``Authorization: Bearer <api_key>`` to ``/v1/*`` (None: no check)
     api_key: str | None = None
-    #: graph backend and capture sizes for start-up (None: as ``warmup run`` picks them)
-    backend: str | None = None
-    capture_sizes: list[int] | None = None
-    #: audit warmup's KV writes (``--no-audit``: False; ``GET /startup`` then says the audit was off)
-    audit: bool = True
-    #: audit the KV writes of every serving step (a stray write fails that step's requests)
-    audit_serving: bool = False
+    #: how start-up proves the engine, with ``warmup run``'s and ``LLM``'s defaults (``--no-audit``:
+    #: ``GET /startup`` says the audit was off; ``audit_serving``: a stray write fails that step)
+    startup: StartupOptions = field(default_factory=StartupOptions)
     #: called from the engine thread with why when start-up fails or is refused
     on_failure: Callable[[StartFailure], None] | None = field(default=None, compare=False)
     #: seconds the lifespan waits for the engine thread at shutdown
@@ -66,14 +63,7 @@ def build_app(
     model_name = config.model.model
     loop: EngineLoop
     metrics = ServingMetrics(model_name, lambda: loop.spec_metrics(), k, lambda: loop.serving_audit_counts())
-    starter = start or partial(
-        start_engine,
-        config,
-        backend=opts.backend,
-        capture_sizes=opts.capture_sizes,
-        audit=opts.audit,
-        audit_serving=opts.audit_serving,
-    )
+    starter = start or partial(start_engine, config, opts.startup)
     if opts.poison_free_kv:
         starter = partial(_poisoned, starter)
     loop = EngineLoop(starter, metrics, num_spec_positions=k, on_failure=opts.on_failure)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import uvicorn
 
+from warmcap import env
 from warmcap.assembly import resolve_device
 from warmcap.errors import ConfigError
 from warmcap.serve.app import ServeOptions, build_app
@@ -54,7 +55,7 @@ def serving_model_threads(device: str, requested: int | None) -> int | None:
         return requested
     if resolve_device(device).type != "cpu":
         return None
-    if os.environ.get("OMP_NUM_THREADS"):
+    if env.is_set("OMP_NUM_THREADS"):
         return None
     return max(1, len(os.sched_getaffinity(0)) - 1)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from warmcap.config import EngineConfig
+    from warmcap.config import EngineConfig, StartupOptions
     from warmcap.engine import LLMEngine
 
 
@@ -37,25 +37,16 @@ class StartedEngine:
     refusal: str | None
 
 
-def start_engine(
-    config: EngineConfig,
-    *,
-    backend: str | None = None,
-    capture_sizes: list[int] | None = None,
-    audit: bool = True,
-    audit_serving: bool = False,
-) -> StartedEngine:
-    """Run the audited start-up of ``warmup run`` and judge its report (``audit=False``,
-    ``--no-audit``: warmup unaudited, and the report says so).
+def start_engine(config: EngineConfig, startup: StartupOptions | None = None) -> StartedEngine:
+    """Run the audited start-up of ``warmup run`` with the same options and defaults and judge its
+    report (``audit=False``, ``--no-audit``: warmup unaudited, and the report says so).
 
     With ``enforce_eager`` nothing is captured and the report has no graphs; that is clean too.
-    ``audit_serving`` audits every step the engine then serves (a stray write fails that step).
+    ``startup.audit_serving`` audits every step the engine then serves (a stray write fails that step).
     """
     from warmcap.startup import run_startup
 
-    run = run_startup(
-        config, backend=backend, capture_sizes=capture_sizes, audit=audit, audit_serving=audit_serving
-    )
+    run = run_startup(config, startup)
     report = run.report
     audit = report.warmup_audit
     facts = StartupFacts(

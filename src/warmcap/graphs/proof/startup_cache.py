@@ -16,10 +16,9 @@ cached a warm start allocates them without running the capture's forward passes
 (:mod:`warmcap.graphs.capture.capturer`). The key covers everything that can change a verdict:
 
 - warmcap's own source (:func:`warmcap.source.source_digest`: every Python, data and C kernel
-  file of the package; an edited file is a new key even without a new version) and the
-  environment switches that pick its CPU kernels (:data:`KERNEL_ENV`);
-- torch's version, the Python version, the CPU ISA torch dispatches to, the thread count, the
-  device, dtype and graph backend;
+  file of the package; an edited file is a new key even without a new version);
+- torch's version, the Python version, the CPU ISA torch dispatches to, MKL's dispatch level, the
+  thread count, the device, dtype and graph backend;
 - the weights *by content*: a sha256 of the bytes of every parameter and buffer of every module a
   graph runs (the target model and the drafter's modules, as loaded: this rank's shard, in the
   dtype it runs), computed at every start (:func:`weights_digest`). Never a file's size or
@@ -29,7 +28,10 @@ cached a warm start allocates them without running the capture's forward passes
 - the rest of the model directory by content (``config.json``, tokenizer files; weight files are
   named only, their bytes enter through the modules above);
 - the engine config (``repr`` of the finished :class:`~warmcap.config.EngineConfig`), the KV pool
-  size and every graph spec of the plan.
+  size and every graph spec of the plan. Every setting that picks a kernel is a field of that
+  config (:class:`~warmcap.config.KernelConfig`: the compiled CPU kernels, their ISA, the greedy
+  head, the fused CUDA ops, the TP collectives), so the key follows from the config, never from a
+  list of switches kept here.
 
 Warm starts still verify one graph per phase for real (the least recently checked: over a few
 starts every graph is re-checked); a spot check that disagrees with its cached verdict marks the
@@ -57,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from warmcap import env
 from warmcap.graphs.capture.layouts import OutputLayout
 from warmcap.graphs.proof.safety import GraphSafety
 from warmcap.graphs.proof.verify import GraphCheck
@@ -73,22 +76,11 @@ CACHE_ENV = "WARMCAP_STARTUP_CACHE"
 ENTRY_VERSION = 3
 #: weight files in a model directory: their bytes enter the key as loaded (:func:`weights_digest`)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-#: environment switches that choose the kernels a forward runs (``cpu_kernels``, ``models``; the
-#: CUDA fused ops; MKL's dispatch level, which sets a GEMM's rounding)
-KERNEL_ENV = (
-    "WARMCAP_CPU_ATTENTION",
-    "WARMCAP_CPU_GEMM",
-    "WARMCAP_CPU_LAYER_OPS",
-    "WARMCAP_CPU_ISA",
-    "WARMCAP_EXACT_GREEDY_HEAD",
-    "WARMCAP_FUSED_OPS",
-    "MKL_ENABLE_INSTRUCTIONS",
-)
 
 
 def startup_cache_dir() -> Path:
     """``$WARMCAP_STARTUP_CACHE``, else ``startup/`` under the warmcap cache (``$WARMCAP_CACHE``)."""
-    moved = os.environ.get(CACHE_ENV)
+    moved = env.read(CACHE_ENV)
     if moved:
         return Path(moved).expanduser()
     from warmcap.paths import cache_dir
@@ -136,11 +128,6 @@ def weights_digest(modules: Iterable[nn.Module]) -> str:
     return h.hexdigest()
 
 
-def kernel_switches() -> str:
-    """The values of :data:`KERNEL_ENV` (unset: empty)."""
-    return ";".join(f"{name}={os.environ.get(name, '')}" for name in KERNEL_ENV)
-
-
 def machine_parts(device: torch.device) -> dict[str, str]:
     """What of the machine and its libraries a verdict depends on."""
     parts = {
@@ -149,6 +136,8 @@ def machine_parts(device: torch.device) -> dict[str, str]:
         "machine": platform.machine(),
         "device": str(device),
         "threads": str(torch.get_num_threads()),
+        # MKL's dispatch level sets a GEMM's rounding; no engine config can own it
+        "mkl_instructions": env.read("MKL_ENABLE_INSTRUCTIONS"),
     }
     if device.type == "cpu":
         parts["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
@@ -178,7 +167,6 @@ class StartupKey:
         return cls(
             {
                 "warmcap_source": source_digest(),
-                "kernels": kernel_switches(),
                 **machine_parts(device),
                 "model": model_fingerprint(model_dir),
                 "weights": weights_digest(modules),
@@ -356,4 +344,4 @@ def enable_compile_cache(directory: Path) -> None:
     default in torch) into ``directory/inductor`` (``--backend compile``), unless the user chose
     one. NOTE: process-wide environment; inductor fixes its directory the first time it compiles,
     so a process that compiled before start-up keeps the one it had."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))
+    env.set_default("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))

@@ -30,12 +30,18 @@ def flashinfer_available() -> bool:
 
 
 def select_backend(
-    device: str | torch.device, *, name: str = "auto", batch_invariant: bool = False
+    device: str | torch.device,
+    *,
+    name: str = "auto",
+    batch_invariant: bool = False,
+    cpu_attention: str | None = None,
 ) -> AttentionBackend:
     """The attention backend ``name``. ``auto``: on CUDA FlashInfer when available, else Triton; torch
     on CPU, and everywhere with ``batch_invariant`` (FlashInfer and Triton split a row's keys by the
     batch's size, so a row's numbers would depend on its neighbours). ``batch_invariant``: the torch
-    backend keeps gather + SDPA on every step (no CPU kernel)."""
+    backend keeps gather + SDPA on every step (no CPU kernel). ``cpu_attention``: the config's
+    ``kernel.cpu_attention`` (None: its default), whether the torch backend runs the compiled CPU
+    kernel."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention backend {name!r} is unknown; use one of {', '.join(BACKEND_NAMES)}")
     on_cuda = torch.device(device).type == "cuda"
@@ -54,7 +60,7 @@ def select_backend(
         from warmcap.runner_v2.attention.triton_paged import TritonPagedAttention
 
         return TritonPagedAttention()
-    return TorchPagedAttention(device, batch_invariant=batch_invariant)
+    return TorchPagedAttention(device, batch_invariant=batch_invariant, cpu_attention=cpu_attention)
 
 
 def backend_registry(attention: AttentionBackend) -> BackendRegistry:

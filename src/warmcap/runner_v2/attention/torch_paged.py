@@ -340,7 +340,7 @@ class TorchPagedAttention(AttentionBackend):
     (``seq_len`` 0) give zeros and never influence real rows. On a CPU float32 cache, steps of at
     most ``MAX_QUERY_LEN`` queries per row go to the compiled kernel of
     :mod:`warmcap.cpu_kernels.paged_attention` instead, which reads the pages
-    in place (same results; ``WARMCAP_CPU_ATTENTION`` chooses). So do graph steps
+    in place (same results; the config's ``kernel.cpu_attention`` chooses). So do graph steps
     (``meta.graph_bounds``) at any query span: their ``max_seq_len`` is ``max_model_len``, and the
     gather would read and score every column up to it, where the kernel reads each row's own
     ``seq_len`` from the static buffers (verify queries of ``1 + k``, draft passes, mixed prefill).
@@ -350,13 +350,21 @@ class TorchPagedAttention(AttentionBackend):
     supports_full_graph = True
     accepts_written_kv = True
 
-    def __init__(self, device: torch.device | str | None = None, *, batch_invariant: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        batch_invariant: bool = False,
+        cpu_attention: str | None = None,
+    ) -> None:
         """``device``: a CPU device builds the kernel now (engine start-up) rather than on the
         first CPU step. ``batch_invariant``: never use the kernel (which path a step takes depends
         on its longest query span, so a row's numbers would depend on the batch around it), nor SDPA
         (whose GEMMs round by the query count): :func:`invariant_attention` on every step
-        (``models/batch_invariant.py``)."""
+        (``models/batch_invariant.py``). ``cpu_attention``: the config's ``kernel.cpu_attention``
+        (None: its default)."""
         self._plans: OrderedDict[int, StepPlan] = OrderedDict()
+        self._cpu_attention = cpu_attention
         self._kernel: PagedAttentionKernel | None = None
         self._kernel_loaded = batch_invariant
         self._batch_invariant = batch_invariant
@@ -365,7 +373,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def _cpu_kernel(self) -> PagedAttentionKernel | None:
         if not self._kernel_loaded:
-            self._kernel = load_paged_attention()
+            self._kernel = load_paged_attention(self._cpu_attention)
             self._kernel_loaded = True
         return self._kernel
 

@@ -19,17 +19,17 @@ any batch its buffers hold.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from warmcap import env
 from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = env.read("TRITON_INTERPRET") == "1"
 #: keys per program step (and the smallest tile ``tl.dot`` takes on each side)
 BLOCK_N = 64
 #: rows of the score tile: a tile's queries times the query heads of one KV head
