@@ -239,6 +239,7 @@ def main() -> None:
 
     import uvicorn
 
+    from warmcap.config import StartupOptions
     from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.llm import build_config
     from warmcap.sampling_params import SamplingParams

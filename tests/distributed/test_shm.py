@@ -54,14 +54,17 @@ def test_commands_arrive_in_order_through_the_ring_and_the_oversize_fallback():
     )
 
 
-def _run(tp: int, **env: str) -> list[list[int]]:
+def _run(tp: int, tp_comm: str | None = None, **env: str) -> list[list[int]]:
+    """Tokens of ``PROMPTS`` at ``tp`` ranks, the transport chosen by the ``tp_comm`` option or by
+    ``$WARMCAP_TP_COMM`` (its default)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        llm = LLM("tiny-llama", tensor_parallel_size=tp, **SMALL)
+        llm = LLM("tiny-llama", tensor_parallel_size=tp, tp_comm=tp_comm, **SMALL)
         try:
             if tp > 1:
-                assert llm.engine.executor.channel.transport == env.get("WARMCAP_TP_COMM", "shm")
+                wanted = tp_comm or env.get("WARMCAP_TP_COMM", "shm")
+                assert llm.engine.executor.channel.transport == wanted
             return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
         finally:
             llm.shutdown()
@@ -78,6 +81,8 @@ def test_tp2_over_shared_memory_generates_what_tp1_and_gloo_generate():
     one = _run(1)
     assert _run(2, WARMCAP_TP_COMM="shm") == one
     assert _run(2, WARMCAP_TP_COMM="gloo") == one
+    # The option wins over the variable: the config says which collectives ran.
+    assert _run(2, tp_comm="gloo", WARMCAP_TP_COMM="shm") == one
     assert not _segments(os.getpid())
 
 
