@@ -53,7 +53,7 @@ def test_reading_an_unlisted_variable_fails_loudly() -> None:
 def test_each_kernel_setting_has_one_door(name: str) -> None:
     """A field of the config, an ``LLM`` keyword and a ``--flag`` of every engine command (the table),
     documented, with its environment variable registered as that field's default."""
-    allowed, variable = KERNEL_CHOICES[name]
+    _, variable = KERNEL_CHOICES[name]
     arg = ARGS_BY_NAME[name]
     assert (arg.part, arg.attr) == ("kernel", name) and name in LLM_KWARGS and arg.cli
     assert env.VARIABLES[variable].kind == "default" and env.VARIABLES[variable].field == f"kernel.{name}"
