@@ -229,3 +229,19 @@ def test_consumer_warmup_plans_with_the_full_lookahead(spec: str) -> None:
     assert all(len(r.blocks["full"]) == 2 for r in plan.steps[0].requests)
     assert_plan_follows_rule(plan, consumer)
     assert plan.to_json() == plan_warmup(_config(spec), _full(16), 256).to_json()
+
+
+@pytest.mark.parametrize(("spec", "mml"), [(None, 512), (None, 10), ("eagle:3", 512), ("eagle:3", 16)])
+def test_async_scheduling_plans_the_same_warmup(spec: str | None, mml: int) -> None:
+    """Warmup runs its steps one at a time: a config that serves with async scheduling plans the
+    steps, results and finishes of a synchronous one (with a short context a warmup request ends at
+    max_model_len and the next step tells the runner)."""
+    from dataclasses import replace
+
+    cfg = _config(spec, block_size=8, max_model_len=mml, max_num_seqs=3)
+    on = replace(cfg, scheduler=replace(cfg.scheduler, async_scheduling=True))
+    plain, eager = plan_warmup(cfg, _full(8), 64), plan_warmup(on, _full(8), 64)
+    assert plain.to_json() == eager.to_json()
+    finished = [s.scheduler_output.finished_req_ids for s in plain.steps]
+    assert finished == [s.scheduler_output.finished_req_ids for s in eager.steps]
+    assert any(finished) == (mml < 512)

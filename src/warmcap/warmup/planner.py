@@ -74,9 +74,12 @@ class _Simulator:
         self.builder = StepBuilder(config, self.manager, reserved_lookahead=lookahead)
         #: the scheduler over the same manager, for its result step alone (``advance``): it never
         #: schedules here. Warmup runs its steps one at a time, so its results are synchronous.
-        self.scheduler = Scheduler(
-            replace(config, scheduler=replace(config.scheduler, async_scheduling=False)), self.manager
+        synchronous = (
+            replace(config, scheduler=replace(config.scheduler, async_scheduling=False))
+            if config.scheduler.async_scheduling
+            else config
         )
+        self.scheduler = Scheduler(synchronous, self.manager)
         self.steps: list[WarmupStep] = []
         #: the requests that hold seats and blocks, by id, in admission order: the scheduler's own
         #: table, so a request it finishes (at max_model_len) leaves it as in serving
