@@ -336,20 +336,33 @@ def plans(draw):
     k = draw(st.integers(0, 3))
     method = draw(st.sampled_from(["eagle", "ngram", "mtp"]))
     bs = draw(st.sampled_from([2, 4, 8, 16]))
-    # Short contexts make warmup's requests run into max_model_len, where the scheduler ends them.
-    mml = draw(st.integers(6, 48))
     cfg = EngineConfig(
         cache=CacheConfig(block_size=bs, enable_prefix_caching=False),
         scheduler=SchedulerConfig(
             max_num_seqs=draw(st.integers(1, 5)),
             max_num_batched_tokens=draw(st.sampled_from([4, 8, 16, 64])),
-            max_model_len=mml,
+            max_model_len=draw(st.integers(6, 64)),
             enable_chunked_prefill=draw(st.booleans()),
         ),
         speculative=SpeculativeConfig.parse(f"{method}:{k}" if k else None),
     )
-    kinds = draw(st.sampled_from([(), ("swa",), ("mla",), ("swa", "mla")]))
-    return cfg, _groups(kinds, bs, k), draw(st.integers(2, 80))
+    kinds = draw(st.sampled_from([(), ("swa",), ("mla",), ("swa", "mla"), ("mamba",)]))
+    groups, num_blocks = _groups(kinds, bs, k), draw(st.integers(2, 80))
+    if draw(st.booleans()):
+        # A context that ends where one warmup request's last step ends: there the scheduler ends
+        # the request, and the steps after it run with its seat and blocks free.
+        try:
+            plan = plan_warmup(cfg, groups, num_blocks)
+        except CapacityError:
+            return cfg, groups, num_blocks
+        last = {
+            r.req_id: r.num_computed_tokens + r.num_scheduled_tokens + 1
+            for s in plan.steps
+            for r in s.requests
+        }
+        mml = draw(st.sampled_from(sorted(set(last.values()))))
+        cfg = replace(cfg, scheduler=replace(cfg.scheduler, max_model_len=mml))
+    return cfg, groups, num_blocks
 
 
 @settings(max_examples=300, deadline=None)
