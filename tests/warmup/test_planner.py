@@ -231,49 +231,17 @@ def test_consumer_warmup_plans_with_the_full_lookahead(spec: str) -> None:
     assert plan.to_json() == plan_warmup(_config(spec), _full(16), 256).to_json()
 
 
-@pytest.mark.parametrize("spec", [None, "eagle:2", "ngram:3"])
-def test_the_mixed_step_has_the_rows_of_a_scheduler_mixed_step_in_its_order(spec: str | None) -> None:
-    """Warmup's mixed step is the layout serving emits: the scheduler serves running requests first
-    (in the order they were admitted) and then the prompt that joins them, and the runner's rows
-    follow that order. A scheduler fed the same running decodes (with their drafts) and one new
-    prompt builds a step row for row like the plan's: same kinds, tokens and drafts per row."""
-    from warmcap.core.kv_cache_manager import KVCacheManager
-    from warmcap.core.outputs import ModelRunnerOutput
-    from warmcap.core.request import Request
-    from warmcap.core.scheduler import Scheduler
-    from warmcap.sampling_params import SamplingParams
+@pytest.mark.parametrize(("spec", "mml"), [(None, 512), (None, 10), ("eagle:3", 512), ("eagle:3", 16)])
+def test_async_scheduling_plans_the_same_warmup(spec: str | None, mml: int) -> None:
+    """Warmup runs its steps one at a time: a config that serves with async scheduling plans the
+    steps, results and finishes of a synchronous one (with a short context a warmup request ends at
+    max_model_len and the next step tells the runner)."""
+    from dataclasses import replace
 
-    cfg = _config(spec, max_num_seqs=4)
-    plan = plan_warmup(cfg, _full(16), 256)
-    mixed = next(s for s in plan.steps if s.kind == "mixed")
-    admitted = [r.req_id for r in plan.steps[0].requests]
-    rows = [(r.num_computed_tokens == 0, r.num_scheduled_tokens, r.num_spec_tokens) for r in mixed.requests]
-    running = [r.req_id for r in mixed.requests if r.num_computed_tokens]
-    assert running == [i for i in admitted if i in running]
-    assert [new for new, _, _ in rows] == [False] * len(running) + [True]
-
-    sched = Scheduler(
-        cfg, KVCacheManager(_full(16), 256, max_model_len=cfg.max_model_len, enable_caching=False)
-    )
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    for i in range(len(running)):
-        sched.add_request(Request(f"r{i}", [3 + i] * plan.steps[0].requests[0].num_scheduled_tokens, params))
-    k = cfg.num_speculative_tokens
-    for _ in range(2):  # the prefill, then a decode that brings each request k drafts
-        out = sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sampled = [[*out.scheduled_spec_decode_tokens.get(r, []), 5] for r in ids]
-        sched.update_from_output(
-            out,
-            ModelRunnerOutput(
-                req_ids=ids, sampled_token_ids=sampled, draft_token_ids={r: [7] * k for r in ids}
-            ),
-        )
-    new_len = next(r.num_scheduled_tokens for r in mixed.requests if r.num_computed_tokens == 0)
-    sched.add_request(Request("joining", [9] * new_len, params))
-    out = sched.schedule()
-    got = [
-        (r == "joining", n, len(out.scheduled_spec_decode_tokens.get(r, ())))
-        for r, n in out.num_scheduled_tokens.items()
-    ]
-    assert got == rows
+    cfg = _config(spec, block_size=8, max_model_len=mml, max_num_seqs=3)
+    on = replace(cfg, scheduler=replace(cfg.scheduler, async_scheduling=True))
+    plain, eager = plan_warmup(cfg, _full(8), 64), plan_warmup(on, _full(8), 64)
+    assert plain.to_json() == eager.to_json()
+    finished = [s.scheduler_output.finished_req_ids for s in plain.steps]
+    assert finished == [s.scheduler_output.finished_req_ids for s in eager.steps]
+    assert any(finished) == (mml < 512)

@@ -157,3 +157,35 @@ def test_warmup_run_reports_prefix_caching_off_on_a_hybrid_in_one_note():
     notes = [n for n in run.report.notes if "prefix caching" in n]
     assert len(notes) == 1 and "cache mode 'align'" in notes[0] and "\n" not in notes[0]
     assert not run.engine.kv_cache_manager.enable_caching
+
+
+@pytest.mark.parametrize(("spec", "max_model_len"), [(None, 10), ("eagle:3", 16)])
+def test_a_warmup_request_ending_at_max_model_len_hands_its_seat_and_blocks_on_cleanly(spec, max_model_len):
+    """With a short context a warmup request reaches max_model_len and ends as in serving: the next
+    step names it finished and its blocks go to a later request. The runner drops its row, the
+    audit finds every write in owned blocks, and the engine is left as it was."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model="tiny-llama", device="cpu"),
+            cache=CacheConfig(block_size=8, num_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=max_model_len),
+            speculative=SpeculativeConfig.parse(spec),
+        ),
+        startup_hooks=[],
+    )
+    pool0, batch0, kv0 = _snapshot(engine)
+    plan = plan_warmup(engine.config, engine.kv_groups, engine.num_blocks)
+    ends = [i for i, s in enumerate(plan.steps) if s.scheduler_output.finished_req_ids]
+    assert ends, "the plan should end a request at max_model_len"
+    gone = plan.steps[ends[0]].scheduler_output.finished_req_ids
+    reused = {
+        b for s in plan.steps[: ends[0]] for r in s.requests if r.req_id in gone for b in r.blocks["full"]
+    }
+    later = {b for s in plan.steps[ends[0] :] for r in s.requests for b in r.blocks["full"]}
+    assert reused & later
+    result = run_warmup(engine.runner, engine.kv_cache_manager, plan, audit=True)
+    assert result.audit.ok, [str(v) for v in result.audit.violations[:5]]
+    pool1, batch1, kv1 = _snapshot(engine)
+    assert pool0.differences(pool1) == []
+    assert batch0 == batch1
+    assert _kv_equal(kv0, kv1)

@@ -2,23 +2,28 @@
 
 ``plan_warmup`` never counts blocks itself: it drives a scratch :class:`KVCacheManager` of the same
 size and groups as production, so every planned request holds exactly what the scheduler would
-give it. The steps are real :class:`SchedulerOutput` records that the runner executes unchanged.
+give it. The steps are real :class:`SchedulerOutput` records that the runner executes unchanged,
+built by the scheduler's :class:`StepBuilder` in the scheduler's row order (running requests first,
+in admission order, then the prompts that join them), and each step's results are applied by
+:meth:`Scheduler.update_from_output` itself (drafts rolled back, tokens appended, a request that
+reaches ``max_model_len`` finished and its blocks freed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import lcm
 
 from warmcap.config import EngineConfig
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.kv_spec import CrossAttentionSpec, KVCacheGroup, MambaSpec
-from warmcap.core.outputs import SchedulerOutput
-from warmcap.core.request import Request
+from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
+from warmcap.core.request import Request, RequestStatus
 from warmcap.core.reservation import block_of, reserved_blocks
+from warmcap.core.scheduler import Scheduler
 from warmcap.core.step_builder import StepBuilder
-from warmcap.core.step_rules import computed_after_verify, step_lookahead
+from warmcap.core.step_rules import step_lookahead
 from warmcap.errors import CapacityError
 from warmcap.sampling_params import SamplingParams
 from warmcap.warmup.plan import PlannedRequest, SkippedStep, WarmupPlan, WarmupStep
@@ -67,14 +72,39 @@ class _Simulator:
         #: the scheduler's own admission and allocation (core/step_builder.py); ``lookahead`` is
         #: what each request reserves, the config's lookahead what the runner is told it may write
         self.builder = StepBuilder(config, self.manager, reserved_lookahead=lookahead)
+        #: the scheduler over the same manager, for its result step alone (``advance``): it never
+        #: schedules here. Warmup runs its steps one at a time, so its results are synchronous.
+        synchronous = (
+            replace(config, scheduler=replace(config.scheduler, async_scheduling=False))
+            if config.scheduler.async_scheduling
+            else config
+        )
+        self.scheduler = Scheduler(synchronous, self.manager)
         self.steps: list[WarmupStep] = []
-        self.running: dict[str, Request] = {}
+        #: the requests that hold seats and blocks, by id, in admission order: the scheduler's own
+        #: table, so a request it finishes (at max_model_len) leaves it as in serving
+        self.running: dict[str, Request] = self.scheduler.requests
+        self._num_created = 0
+        #: requests the scheduler finished since the last step: the next step tells the runner, as
+        #: the scheduler's next step would (``SchedulerOutput.finished_req_ids``)
+        self._finished: set[str] = set()
 
-    def new_request(self, req_id: str, prompt_len: int) -> Request:
+    def new_request(self, prompt_len: int) -> Request:
+        """The next warmup request (``warmup-<i>``: ids are never reused, even after one finished)."""
+        req_id = f"warmup-{self._num_created}"
+        self._num_created += 1
         # Distinct small token ids per request keep ngram lookups and embeddings non-degenerate.
         base = len(self.running) + 1
         prompt = [(base * 7 + i) % 97 + 1 for i in range(prompt_len)]
         return Request(req_id, prompt, _WARMUP_PARAMS, num_encoder_tokens=self.max_encoder_len)
+
+    def _admit(self, req: Request) -> None:
+        """Hand a request the builder started to the scheduler as running. NOTE: not through
+        ``Scheduler.add_request``, which refuses up front a request whose ``max_tokens`` could one
+        day outgrow the pool; a warmup request stops after its planned steps."""
+        req.status = RequestStatus.RUNNING
+        self.scheduler.requests[req.request_id] = req
+        self.scheduler.running.append(req)
 
     def step(self, name: str, kind: str, reason: str, entries: list[_Entry]) -> WarmupStep:
         """Build one step through the scheduler's own builder; raises :class:`_DoesNotFit` unless
@@ -82,7 +112,8 @@ class _Simulator:
         decided there, never here)."""
         builder = self.builder
         budget = builder.max_num_batched_tokens
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self._finished)
+        self._finished = set()
         planned: list[PlannedRequest] = []
         for e in entries:
             req = e.request
@@ -97,6 +128,11 @@ class _Simulator:
                     )
                 got = builder.add_waiting(out, req, budget)
             else:
+                if req.request_id not in self.running:
+                    raise _DoesNotFit(
+                        f"{name}: {req.request_id} finished when it reached max_model_len="
+                        f"{self.max_model_len}; another step would pass max_model_len"
+                    )
                 req.spec_token_ids = [1 + (i % 89) for i in range(e.num_spec)]
                 got = builder.add_running(out, req, budget)
             if got is None:
@@ -121,7 +157,7 @@ class _Simulator:
                 )
             budget -= got
             if e.is_new:
-                self.running[req.request_id] = req
+                self._admit(req)
             held = self.manager.get_block_ids(req.request_id)
             planned.append(
                 PlannedRequest(
@@ -153,18 +189,31 @@ class _Simulator:
                 crossed[g.name] = "lookahead"
         return crossed
 
-    def advance(self, entries: list[_Entry], accepted: dict[str, int] | None = None) -> None:
-        """Apply a step's outcome: computed tokens move on by the scheduled count minus rejected
-        drafts (``accepted`` per request; all accepted when absent), as the scheduler would."""
-        for e in entries:
-            req = e.request
-            num_acc = e.num_spec if accepted is None else accepted.get(req.request_id, e.num_spec)
-            # The builder moved the computed count past the scheduled tokens when it built the step.
-            req.num_computed_tokens = computed_after_verify(req.num_computed_tokens, e.num_spec, num_acc)
-            # The scheduler appends the accepted drafts plus one sampled token once the prompt is done.
-            num_out = req.num_computed_tokens + 1 - req.num_prompt_tokens
-            if num_out > req.num_output_tokens:
-                req.output_token_ids.extend([1] * (num_out - req.num_output_tokens))
+    def advance(self, step: WarmupStep, accepted: dict[str, int] | None = None) -> None:
+        """Apply a step's results through :meth:`Scheduler.update_from_output`: each request that
+        reached the end of its known tokens samples its accepted drafts (``accepted`` per request;
+        all when absent) plus one token, as a runner would report them."""
+        out = step.scheduler_output
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            req = self.running[req_id]
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, ())
+            num_acc = len(drafts) if accepted is None else accepted.get(req_id, len(drafts))
+            # A prompt chunk short of the prompt's end samples nothing (the builder has already
+            # moved the computed count past this step's tokens).
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([*drafts[:num_acc], 1] if done else [])
+        results = self.scheduler.update_from_output(
+            out, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        )
+        self._finished.update(r.req_id for r in results if r.finished)
+
+    def run(self, name: str, kind: str, reason: str, entries: list[_Entry]) -> WarmupStep:
+        """Build a step and apply its results with every draft accepted."""
+        step = self.step(name, kind, reason, entries)
+        self.advance(step)
+        return step
 
 
 def _crossable_block_size(groups: Sequence[KVCacheGroup], max_model_len: int) -> int | None:
@@ -307,41 +356,32 @@ class _Attempt:
             num_blocks=self.num_blocks,
             kv_groups=self.groups,
         )
-        batch = [sim.new_request(f"warmup-{i}", self.prompt_len) for i in range(n)]
-        entries = [_Entry(r, self.prompt_len, 0, True) for r in batch]
-        sim.step(
+        batch = [sim.new_request(self.prompt_len) for _ in range(n)]
+        sim.run(
             "prefill",
             "prefill",
             f"{n} prompt(s) of 1+(1+k)={self.prompt_len} tokens: a prefill that no "
             "uniform-decode shape can be mistaken for",
-            entries,
+            [_Entry(r, self.prompt_len, 0, True) for r in batch],
         )
-        sim.advance(entries)
 
-        def decode(name: str, reason: str, reqs: list[Request], with_spec: list[bool]) -> list[_Entry]:
+        def decode(name: str, reason: str, reqs: list[Request], with_spec: list[bool]) -> None:
             es = [
                 _Entry(r, 1 + (k if s else 0), k if s else 0, False)
                 for r, s in zip(reqs, with_spec, strict=True)
             ]
-            sim.step(name, "decode", reason, es)
-            return es
+            sim.run(name, "decode", reason, es)
 
-        sim.advance(
-            decode(
-                "decode_all_spec", f"uniform decode: every request verifies 1+k={q} tokens", batch, [True] * n
-            )
-        )
+        decode("decode_all_spec", f"uniform decode: every request verifies 1+k={q} tokens", batch, [True] * n)
         if k:
             mix = [i % 2 == 0 for i in range(n)] if n > 1 else [False]
-            sim.advance(
-                decode("decode_spec_mix", "requests with and without drafts in one batch", batch, mix)
-            )
-            sim.advance(decode("decode_single_spec", "one request with drafts", batch[:1], [True]))
-            sim.advance(decode("decode_single_nospec", "one request without drafts", batch[:1], [False]))
+            decode("decode_spec_mix", "requests with and without drafts in one batch", batch, mix)
+            decode("decode_single_spec", "one request with drafts", batch[:1], [True])
+            decode("decode_single_nospec", "one request without drafts", batch[:1], [False])
         else:
-            sim.advance(decode("decode_single", "one request decoding alone", batch[:1], [False]))
+            decode("decode_single", "one request decoding alone", batch[:1], [False])
         if boundary:
-            self._cross_boundaries(sim, plan, carrier_index=n)
+            self._cross_boundaries(sim, plan)
         else:
             plan.skipped.append(SkippedStep("block_boundary", "no room for a boundary-crossing request"))
         if mixed:
@@ -353,7 +393,7 @@ class _Attempt:
         plan.steps = sim.steps
         return plan
 
-    def _cross_boundaries(self, sim: _Simulator, plan: WarmupPlan, carrier_index: int) -> None:
+    def _cross_boundaries(self, sim: _Simulator, plan: WarmupPlan) -> None:
         """A request whose prompt ends just before a block boundary of every group, decoded until
         the lookahead alone crosses it and then the scheduled tokens do."""
         k, q, L, M = self.k, self.q, self.lookahead, self.config.max_model_len
@@ -380,28 +420,26 @@ class _Attempt:
                 )
             )
             return
-        req = sim.new_request(f"warmup-{carrier_index}", prompt)
+        req = sim.new_request(prompt)
         chunk = self.config.scheduler.max_num_batched_tokens
         for start in range(0, prompt, chunk):
             e = _Entry(req, min(chunk, prompt - start), 0, start == 0)
-            sim.step(
+            sim.run(
                 f"boundary_prefill_{start // chunk}",
                 "prefill",
                 f"prompt of {prompt} tokens ending just "
                 f"before the {boundary}-token block boundary (chunks of <= {chunk})",
                 [e],
             )
-            sim.advance([e])
         seen: set[str] = set()
         for i in range(4):
             e = _Entry(req, q, k, False)
-            step = sim.step(
+            step = sim.run(
                 f"boundary_decode_{i}",
                 "decode",
                 "decode across the block boundary" + (" (lookahead first, then tokens)" if L else ""),
                 [e],
             )
-            sim.advance([e])
             seen.update(step.requests[0].crossed.values())
             if "tokens" in seen:
                 break
@@ -415,9 +453,8 @@ class _Attempt:
                 ("sparse_mla_mixed", "sparse_mla", "prefill + decode over the latent and indexer caches")
             )
         for name, kind, reason in kinds:
-            req = sim.new_request(f"warmup-{len(sim.running)}", self.prompt_len)
+            req = sim.new_request(self.prompt_len)
             # The scheduler's order: running requests first, then the prompt that joins them (the
             # runner's rows follow it, so warmup captures and audits the layout serving emits).
             entries = [_Entry(r, 1 + k, k, False) for r in batch] + [_Entry(req, self.prompt_len, 0, True)]
-            sim.step(name, kind, reason, entries)
-            sim.advance(entries)
+            sim.run(name, kind, reason, entries)
