@@ -39,6 +39,8 @@ CASES = {
     # decode graphs for the n-gram drafter that may draft nothing
     "mamba-ngram-cuda": ["--model", "tiny-hybrid", "--spec", "ngram:2", *SMALL, "--backend", "cuda"],
     "mamba-draft-model-cuda": ["--model", "tiny-hybrid", *SMALL, "--backend", "cuda"],
+    # no graph at all
+    "enforce-eager": ["--model", "tiny-llama", "--spec", "none", *SMALL, "--enforce-eager"],
 }
 
 
@@ -71,9 +73,17 @@ def test_plan_page_lists_exactly_the_graphs_the_run_captures(case, tmp_path, mon
     args = CASES[case]
     listed, page = _planned(args, tmp_path)
     captured = _captured(args, tmp_path, monkeypatch)
-    assert len(set(listed)) == len(listed) > 0
+    assert len(set(listed)) == len(listed)
     assert sorted(listed) == sorted(captured)
     assert page.by_id("graph-count").text == str(len(captured))
     # each step is looked up among those graphs: a step's graph is one the run has
     warmed = [e.text for e in page.with_class("warms")]
-    assert warmed and set(warmed) <= set(captured)
+    assert set(warmed) <= set(captured)
+    assert bool(warmed) == bool(captured) == (case != "enforce-eager")
+
+
+def test_plan_refuses_an_unknown_graph_backend_in_one_line():
+    res = runner.invoke(app, ["plan", "--model", "tiny-llama", "--backend", "cudda"])
+    assert res.exit_code == 2
+    assert "unknown graph backend 'cudda'" in res.output and "cuda, static, compile" in res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
