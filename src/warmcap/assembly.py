@@ -10,7 +10,7 @@ from their shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,9 @@ class Assembly:
     kv_groups: list[KVCacheGroup]
     #: pool size in blocks, null block 0 included
     num_blocks: int
+    #: the drafter the groups were built with (None without speculation); ``warmup plan`` reads
+    #: the passes its model runs, to plan the drafter's graphs
+    drafter: Any = field(default=None, compare=False)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -141,7 +144,7 @@ def assemble(
     groups = build_kv_groups(model, config, drafter)
     after_weights = max(0, free_bytes - resident_bytes(config, device, model, *drafter_modules(drafter)))
     num_blocks = num_kv_blocks(config, groups, device, free_bytes=after_weights)
-    return Assembly(config=config, kv_groups=groups, num_blocks=num_blocks)
+    return Assembly(config=config, kv_groups=groups, num_blocks=num_blocks, drafter=drafter)
 
 
 def resident_bytes(

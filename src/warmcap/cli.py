@@ -176,6 +176,8 @@ def plan(
         bool, typer.Option("--json", help="Print the plan as JSON (schema: docs/warmup.md).")
     ] = False,
     html: Html = None,
+    capture_sizes: CaptureSizes = None,
+    backend: Backend = None,
     serve_defaults: Annotated[
         bool,
         typer.Option(
@@ -192,13 +194,16 @@ def plan(
 
     Takes every engine option of `warmup run` with the same defaults, so `warmup plan` with a run's
     flags prints the plan that run executes; with --serve, the plan `warmup serve` with the same
-    flags executes.
+    flags executes. --html also draws the graphs that run captures (--capture-sizes, --backend as
+    for `warmup run`; --backend cuda shows a GPU run's graphs from any machine).
     """
     import json
     from dataclasses import replace
 
     from warmcap.assembly import assemble_for_plan
     from warmcap.cli_options import option_default
+    from warmcap.graphs.capture.planning import check_backend
+    from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.warmup.plan_view import render_plan
     from warmcap.warmup.planner import plan_warmup
 
@@ -219,11 +224,26 @@ def plan(
     assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
     if html:
         _check_out_path(html, "--html")
+    # Checked as `warmup run` checks them, though only the page shows the graphs they shape.
+    sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
+    if backend is not None:
+        check_backend(backend)
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
     if html:
+        from warmcap.assembly import resolve_device
+        from warmcap.graphs.capture.capturer import planned_capture
         from warmcap.pages.write import write_plan_page
 
-        write_plan_page(html, result, assembly.config)
+        drafter = assembly.drafter
+        graphs = planned_capture(
+            assembly.config,
+            assembly.kv_groups,
+            None if drafter is None else drafter.draft_model,
+            device=resolve_device(assembly.config.model.device),
+            backend=backend,
+            capture_sizes=sizes,
+        )
+        write_plan_page(html, result, graphs)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=1))
     else:

@@ -12,8 +12,10 @@ from typer.testing import CliRunner
 from warmcap.cli import app
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.core.kv_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from warmcap.graphs.capture.planning import CaptureFacts, plan_capture
 from warmcap.pages.plan_page import plan_page, plan_view
-from warmcap.pages.shapes import default_graphs, graph_for, step_shape
+from warmcap.pages.shapes import graph_for, planned_graphs, step_shape
+from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention
 from warmcap.warmup.planner import plan_warmup
 
 runner = CliRunner()
@@ -60,10 +62,9 @@ def test_each_step_names_its_shape_and_the_graph_the_dispatcher_would_pick():
     )
     groups = [KVCacheGroup("full", FullAttentionSpec(16, num_kv_heads=1, head_size=8), ("l0",))]
     view = plan_view(plan_warmup(config, groups, 64))
-    graphs = default_graphs(
-        max_num_seqs=4, max_num_batched_tokens=128, num_speculative_tokens=2, indexed=False
-    )
-    page = Page(plan_page(view, graphs))
+    capture = plan_capture(CaptureFacts.of_config(config, groups, TorchPagedAttention(), None))
+    graphs = planned_graphs(capture)
+    page = Page(plan_page(view, capture))
     headers = [e for e in page.elements if e.tag == "div" and "shape" in e.classes]
     assert len(headers) == len(view["steps"])
     uniform = 0

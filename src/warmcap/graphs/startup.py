@@ -11,9 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
-from warmcap.graphs.capture.capturer import CapturedGraph, CaptureResult, GraphCapturer
+from warmcap.graphs.capture.capturer import CapturedGraph, CaptureResult, GraphCapturer, default_backend_for
 from warmcap.graphs.capture.graph_runner import GraphRunner
 from warmcap.graphs.proof.report import (
     CaptureReport,
@@ -46,7 +44,7 @@ log = logging.getLogger("warmcap.startup")
 
 def default_backend(runner: ModelRunner) -> str:
     """``cuda`` when the runner is on a CUDA device (and CUDA works), else ``static``."""
-    return "cuda" if runner.device.type == "cuda" and torch.cuda.is_available() else "static"
+    return default_backend_for(runner.device)
 
 
 @dataclass(slots=True)

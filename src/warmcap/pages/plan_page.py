@@ -1,4 +1,5 @@
-"""``warmup plan --html``: every warmup step's block layout, per request and KV group."""
+"""``warmup plan --html``: every warmup step's block layout, per request and KV group, and the graphs
+the run captures (the capture planner's plan for the config, handed over as data)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from warmcap.pages.grid import StepOverlay, step_grid
 from warmcap.pages.html import document, esc, legend, num
-from warmcap.pages.shapes import graph_for, graph_label, step_shape
+from warmcap.pages.shapes import graph_for, label_of, planned_graphs, step_shape
 
 if TYPE_CHECKING:
+    from warmcap.graphs.capture.planning import CapturePlan
     from warmcap.warmup.plan import WarmupPlan
 
 
@@ -37,7 +39,7 @@ def step_header(index: int, step: dict[str, Any], graphs: list[dict[str, Any]] |
     if graphs is not None:
         found = graph_for(shape, graphs)
         graph = (
-            f" · warms graph <b>{esc(graph_label(found))}</b>"
+            f' · warms graph <b class="warms">{esc(label_of(found))}</b>'
             if found
             else " · <b>no graph fits</b>: runs eagerly"
         )
@@ -94,11 +96,30 @@ def plan_summary(view: dict[str, Any], *, prefix: str = "") -> str:
     )
 
 
-def plan_page(view: dict[str, Any], graphs: list[dict[str, Any]] | None) -> str:
-    """The whole page of a plan view; ``graphs``: the target graphs to look each step up in."""
+def graph_list(capture: CapturePlan) -> str:
+    """The graphs a start-up captures, target then drafter, each with its label (``data-label``),
+    and the plan's notes on what runs eagerly."""
+    graphs = planned_graphs(capture)
+    items = "".join(
+        f'<li class="graph" data-label="{esc(label_of(g))}">{esc(label_of(g))}</li>' for g in graphs
+    )
+    notes = "".join(f'<li class="dim">{esc(n)}</li>' for n in capture.notes)
+    listed = f'<ul class="graphs">{items}</ul>' if graphs else '<p class="dim">no graph is captured</p>'
+    return (
+        f'<h2 id="graphs">graphs the run captures: <span id="graph-count">{len(graphs)}</span> '
+        f'<span class="dim">(backend {esc(capture.backend)})</span></h2>{listed}'
+        + (f'<ul class="notes">{notes}</ul>' if notes else "")
+    )
+
+
+def plan_page(view: dict[str, Any], capture: CapturePlan | None) -> str:
+    """The whole page of a plan view; ``capture``: the capture plan of the same config, listed and
+    looked up for each step (None: no graph is shown)."""
+    graphs = None if capture is None else planned_graphs(capture)
     body = (
         f"<h1>warmup plan: {esc(view['model'])}</h1>{plan_summary(view)}{legend()}"
-        '<p class="dim">Each step is a real scheduler output the runner executes at start-up. A row of '
+        + ("" if capture is None else graph_list(capture))
+        + '<h2>warmup steps</h2><p class="dim">Each step is a real scheduler output the runner executes at start-up. A row of '
         "cells is one request's block table in one KV group; each cell is a block, each mark in it a "
         "token position. Hover a block for its numbers; the same block elsewhere is outlined.</p>"
         + plan_steps(view, graphs)

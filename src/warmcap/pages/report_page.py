@@ -12,7 +12,7 @@ from typing import Any
 from warmcap.pages.html import document, esc, legend, mib, num, sci, seconds, yes_no
 from warmcap.pages.plan_page import plan_steps, plan_summary
 from warmcap.pages.run_detail import overlays
-from warmcap.pages.shapes import graph_label
+from warmcap.pages.shapes import label_of
 
 #: start-up phases in the order they run (the report's ``timings`` keys)
 PHASE_COLOURS = {
@@ -75,7 +75,7 @@ def timeline(report: dict[str, Any], detail: dict[str, Any] | None) -> str:
         rects.append(_sub_row(starts["warmup"], 26 * rows, list(detail["seconds"].items()), scale, "#ffd8a8"))
         rows += 1
     if "capture" in starts and report["graphs"]:
-        segs = [(graph_label(g), g["capture_seconds"]) for g in report["graphs"]]
+        segs = [(label_of(g), g["capture_seconds"]) for g in report["graphs"]]
         rects.append(f'<text x="0" y="{26 * rows + 14}">captures</text>')
         rects.append(_sub_row(starts["capture"], 26 * rows, segs, scale, "#bac8ff"))
         rows += 1

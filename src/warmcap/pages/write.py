@@ -10,10 +10,9 @@ from warmcap.pages.diff_page import diff_page
 from warmcap.pages.plan_page import plan_page, plan_view
 from warmcap.pages.report_page import report_page
 from warmcap.pages.run_detail import run_detail
-from warmcap.pages.shapes import default_graphs
 
 if TYPE_CHECKING:
-    from warmcap.config import EngineConfig
+    from warmcap.graphs.capture.planning import CapturePlan
     from warmcap.warmup.plan import WarmupPlan
     from warmcap.warmup.run import WarmupResult
 
@@ -27,15 +26,10 @@ def write_page(path: str, html: str) -> None:
         ) from None
 
 
-def write_plan_page(path: str, plan: WarmupPlan, config: EngineConfig) -> None:
-    """The plan's page; each step is looked up among the graphs the default size policy captures."""
-    graphs = default_graphs(
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        num_speculative_tokens=config.num_speculative_tokens,
-        indexed=any(g.spec.kind == "indexer" for g in plan.kv_groups),
-    )
-    write_page(path, plan_page(plan_view(plan), graphs))
+def write_plan_page(path: str, plan: WarmupPlan, capture: CapturePlan) -> None:
+    """The plan's page with ``capture``, the graphs the capture planner plans for the same config
+    (``graphs.capture.capturer.planned_capture``): listed, and each step looked up among them."""
+    write_page(path, plan_page(plan_view(plan), capture))
 
 
 def write_report_page(path: str, report: dict[str, Any], warmup: WarmupResult | None = None) -> None:

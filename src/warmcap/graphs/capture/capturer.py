@@ -45,15 +45,55 @@ import torch
 
 from warmcap.errors import ConfigError
 from warmcap.graphs.capture.layouts import OutputLayout, allocate
-from warmcap.graphs.capture.planning import GraphPlan, GraphSpec, plan_draft_graphs, plan_target_graphs
+from warmcap.graphs.capture.planning import (
+    CaptureFacts,
+    CapturePlan,
+    GraphPlan,
+    GraphSpec,
+    check_backend,
+    plan_capture,
+)
 from warmcap.graphs.capture.static_inputs import graph_metadata
 from warmcap.graphs.capture.subjects import GraphSubject, Outputs, make_subjects
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from warmcap.config import EngineConfig
     from warmcap.contracts import AttentionMetadata
+    from warmcap.core.kv_spec import KVCacheGroup
+    from warmcap.runner_v2.collaborators import DraftModel
     from warmcap.runner_v2.model_runner import ModelRunner
 
-GRAPH_BACKENDS: tuple[str, ...] = ("cuda", "static", "compile")
+
+def default_backend_for(device: torch.device) -> str:
+    """The capture backend a start-up on ``device`` takes unless told: ``cuda`` on a CUDA device
+    (when CUDA works), else ``static``."""
+    return "cuda" if device.type == "cuda" and torch.cuda.is_available() else "static"
+
+
+def planned_capture(
+    config: EngineConfig,
+    kv_groups: Sequence[KVCacheGroup],
+    draft_model: DraftModel | None,
+    *,
+    device: torch.device,
+    backend: str | None = None,
+    capture_sizes: list[int] | None = None,
+) -> CapturePlan:
+    """The graphs a start-up of an assembled ``config`` on ``device`` captures (its KV groups, its
+    drafter's model), with no runner and no weight: ``warmup plan --html`` draws these. The
+    runner's attention backend is chosen as the engine chooses it; ``backend`` as
+    ``capture_graphs`` takes it (default :func:`default_backend_for`)."""
+    if config.model.enforce_eager:
+        return CapturePlan.eager()
+    from warmcap.runner_v2.attention.selector import select_backend
+
+    attention = select_backend(
+        device, name=config.model.attention_backend, batch_invariant=config.model.batch_invariant
+    )
+    facts = CaptureFacts.of_config(config, kv_groups, attention, draft_model)
+    return plan_capture(facts, capture_sizes=capture_sizes, backend=backend or default_backend_for(device))
 
 
 @dataclass(slots=True)
@@ -100,8 +140,7 @@ class GraphCapturer:
         drafter_graphs: bool = True,
         plan_backend: str | None = None,
     ):
-        if backend not in GRAPH_BACKENDS:
-            raise ConfigError(f"unknown graph backend {backend!r}: use one of {', '.join(GRAPH_BACKENDS)}")
+        check_backend(backend)
         if backend == "cuda" and not (torch.cuda.is_available() and runner.device.type == "cuda"):
             raise ConfigError(
                 "graph backend 'cuda' needs a CUDA device and a runner on it; "
@@ -112,13 +151,14 @@ class GraphCapturer:
         self.capture_sizes = capture_sizes
         # ``plan_backend``: capture the graphs another backend would (``static`` following the
         # ``cuda`` plan shows on CPU which steps a GPU run replays).
-        planned = plan_backend or backend
-        if planned not in GRAPH_BACKENDS:
-            raise ConfigError(f"unknown graph backend {planned!r}: use one of {', '.join(GRAPH_BACKENDS)}")
-        self.plan = plan_target_graphs(runner, capture_sizes=capture_sizes, backend=planned)
-        self.draft_plan = (
-            plan_draft_graphs(runner, self.plan, backend=planned) if drafter_graphs else GraphPlan([], [], [])
+        planned = plan_capture(
+            CaptureFacts.of_runner(runner),
+            capture_sizes=capture_sizes,
+            backend=plan_backend or backend,
+            drafter_graphs=drafter_graphs,
         )
+        self.plan = planned.target
+        self.draft_plan = planned.draft
         self.subjects: dict[str, GraphSubject[Any]] = make_subjects(runner)
         self._metas: dict[str, dict[str, AttentionMetadata]] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if backend == "cuda" else None

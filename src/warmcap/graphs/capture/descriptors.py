@@ -64,12 +64,24 @@ class BatchDescriptor:
     @property
     def label(self) -> str:
         """Short human-readable key, e.g. ``FULL t=8 r=4 q=2``."""
-        parts = [self.mode.value, f"t={self.num_tokens}"]
-        if self.num_reqs is not None:
-            parts.append(f"r={self.num_reqs}")
-        if self.uniform_query_len is not None:
-            parts.append(f"q={self.uniform_query_len}")
-        return " ".join(parts)
+        return _key_text(self.mode.value, self.num_tokens, self.num_reqs, self.uniform_query_len)
+
+
+def graph_label(
+    phase: str, mode: str, num_tokens: int, num_reqs: int | None, uniform_query_len: int | None
+) -> str:
+    """``decode FULL t=8 r=4 q=2``: the one name of a graph, in the capture plan, the report, the
+    start-up cache and the pages (a graph is looked up across them by this string)."""
+    return f"{phase} {_key_text(mode, num_tokens, num_reqs, uniform_query_len)}"
+
+
+def _key_text(mode: str, num_tokens: int, num_reqs: int | None, uniform_query_len: int | None) -> str:
+    parts = [mode, f"t={num_tokens}"]
+    if num_reqs is not None:
+        parts.append(f"r={num_reqs}")
+    if uniform_query_len is not None:
+        parts.append(f"q={uniform_query_len}")
+    return " ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)

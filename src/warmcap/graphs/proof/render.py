@@ -20,6 +20,7 @@ BACKEND_EXPLAINED = {
     "are shown as the size of the static output buffers.",
     "compile": "Each shape was compiled with torch.compile over the static input buffers; no CUDA "
     "graph was recorded.",
+    "eager": "No graph was captured (enforce_eager): every pass ran eagerly.",
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import jsonschema
 
 from warmcap.errors import ConfigError
+from warmcap.graphs.capture.descriptors import graph_label
 
 REPORT_VERSION = 1
 PHASES: tuple[str, ...] = ("decode", "mixed", "sparse_mla", "draft_prefill", "draft_decode")
@@ -63,13 +64,8 @@ class GraphRecord:
 
     @property
     def label(self) -> str:
-        """Short human-readable key, e.g. ``decode FULL t=8 r=4 q=2``."""
-        parts = [self.phase, self.mode, f"t={self.num_tokens}"]
-        if self.num_reqs is not None:
-            parts.append(f"r={self.num_reqs}")
-        if self.uniform_query_len is not None:
-            parts.append(f"q={self.uniform_query_len}")
-        return " ".join(parts)
+        """Short human-readable key, e.g. ``decode FULL t=8 r=4 q=2`` (the capture plan's own)."""
+        return graph_label(self.phase, self.mode, self.num_tokens, self.num_reqs, self.uniform_query_len)
 
 
 @dataclass(frozen=True, slots=True)
