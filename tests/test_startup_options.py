@@ -76,7 +76,7 @@ def test_the_verdict_cache_works_the_same_in_llm_run_and_serve() -> None:
 def test_options_are_given_once_and_checked() -> None:
     with pytest.raises(ConfigError, match="either as startup=StartupOptions"):
         LLM("tiny-llama", startup=StartupOptions(), audit=False, **SMALL)
-    with pytest.raises(ConfigError, match="graph backend 'cudagraphs' is unknown"):
+    with pytest.raises(ConfigError, match="unknown graph backend 'cudagraphs'"):
         StartupOptions(backend="cudagraphs")
     with pytest.raises(ConfigError, match="capture_sizes"):
         StartupOptions(capture_sizes=(0, 2))

@@ -177,7 +177,7 @@ def plan(
     ] = False,
     html: Html = None,
     capture_sizes: CaptureSizes = None,
-    backend: Backend = None,
+    backend: Backend = _SD.backend,
     serve_defaults: Annotated[
         bool,
         typer.Option(
@@ -202,8 +202,6 @@ def plan(
 
     from warmcap.assembly import assemble_for_plan
     from warmcap.cli_options import option_default
-    from warmcap.graphs.capture.planning import check_backend
-    from warmcap.graphs.capture.sizes import parse_capture_sizes
     from warmcap.warmup.plan_view import render_plan
     from warmcap.warmup.planner import plan_warmup
 
@@ -224,10 +222,14 @@ def plan(
     assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
     if html:
         _check_out_path(html, "--html")
-    # Checked as `warmup run` checks them, though only the page shows the graphs they shape.
-    sizes = parse_capture_sizes(capture_sizes) if capture_sizes else None
-    if backend is not None:
-        check_backend(backend)
+    # Checked as `warmup run` checks them (one record), though only the page shows the graphs they shape.
+    startup = startup_options(
+        backend=backend,
+        capture_sizes=capture_sizes,
+        audit=_SD.audit,
+        audit_serving=_SD.audit_serving,
+        startup_cache=_SD.startup_cache,
+    )
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
     if html:
         from warmcap.assembly import resolve_device
@@ -240,8 +242,8 @@ def plan(
             assembly.kv_groups,
             None if drafter is None else drafter.draft_model,
             device=resolve_device(assembly.config.model.device),
-            backend=backend,
-            capture_sizes=sizes,
+            backend=startup.backend,
+            capture_sizes=None if startup.capture_sizes is None else list(startup.capture_sizes),
         )
         write_plan_page(html, result, graphs)
     if as_json:

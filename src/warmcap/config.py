@@ -559,7 +559,7 @@ class StartupOptions:
     def __post_init__(self) -> None:
         _require(
             self.backend in (None, "cuda", "static", "compile"),
-            f"graph backend {self.backend!r} is unknown: use cuda, static or compile (or leave it unset)",
+            f"unknown graph backend {self.backend!r}: use one of cuda, static, compile (or leave it unset)",
         )
         if self.capture_sizes is not None:
             sizes = tuple(self.capture_sizes)
