@@ -359,7 +359,7 @@ class EngineConfig:
     #: ranks the model is sharded over (``warmcap.distributed``); 1: one device, no workers
     tensor_parallel_size: int = 1
     #: model threads of each rank on CPU (None: torch's count with one rank, else the rank's share
-    #: of the cores); see ``cpu_kernels/threads.py``
+    #: of the cores); see ``kernels/cpu/threads.py``
     cpu_threads: int | None = None
     #: where those threads run: auto (pinned to the rank's share of the cores), none, or CPU lists
     cpu_threads_bind: str = "auto"

@@ -33,7 +33,7 @@ class LLM:
         """``audit=False`` runs warmup without its KV-write audit (on by default on every device);
         ``audit_serving=True`` audits the KV writes of every step (see :class:`LLMEngine`).
 
-        Raises :class:`~warmcap.warmup.audit.AuditViolationError` when the start-up audit finds a
+        Raises :class:`~warmcap.audit.kv_writes.AuditViolationError` when the start-up audit finds a
         stray KV write: an engine whose cache may be corrupted is never handed out.
         """
         hooks = None

@@ -266,7 +266,7 @@ class FusedGreedyHead:
 
 @torch.library.custom_op("warmcap_fused::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     triton_ops.rms_norm(x, weight, eps, out, None, None)
@@ -282,7 +282,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _add_rms_norm_op(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     total = torch.empty_like(h, memory_format=torch.contiguous_format)
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
@@ -300,7 +300,7 @@ def _(
 
 @torch.library.custom_op("warmcap_fused::silu_mul", mutates_args=())
 def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     triton_ops.silu_mul(gate, up, out)
@@ -322,7 +322,7 @@ def _rope_write_kv_op(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     triton_ops.rope_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
 
@@ -342,7 +342,7 @@ def _(
 
 @torch.library.custom_op("warmcap_fused::greedy_argmax", mutates_args=())
 def _greedy_argmax_op(logits: torch.Tensor) -> torch.Tensor:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     triton_ops.greedy_argmax(logits, out)

@@ -67,8 +67,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warmcap.cpu_kernels.gemm import BlockedWeight
-from warmcap.cpu_kernels.layer_ops import LayerOps
+from warmcap.kernels.cpu.gemm import BlockedWeight
+from warmcap.kernels.cpu.layer_ops import LayerOps
 from warmcap.models.packed_linear import PackedLinear, can_prepack
 
 #: environment switch: "0" computes the full logits on every step (the A/B peer)

@@ -73,7 +73,7 @@ CACHE_ENV = "WARMCAP_STARTUP_CACHE"
 ENTRY_VERSION = 3
 #: weight files in a model directory: their bytes enter the key as loaded (:func:`weights_digest`)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-#: environment switches that choose the kernels a forward runs (``cpu_kernels``, ``models``; the
+#: environment switches that choose the kernels a forward runs (``kernels``, ``models``; the
 #: CUDA fused ops; MKL's dispatch level, which sets a GEMM's rounding)
 KERNEL_ENV = (
     "WARMCAP_CPU_ATTENTION",
