@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--neighbour", choices=("tests", "engine"), default="tests")
     parser.add_argument(
         "--neighbour-tests",
-        default="tests/distributed/test_spawn.py tests/cpu_kernels/test_build.py tests/test_engine.py",
+        default="tests/distributed/test_spawn.py tests/kernels/cpu/test_build.py tests/test_engine.py",
         help="the test slice --neighbour tests runs in a loop (space-separated pytest arguments)",
     )
     parser.add_argument("--settle-s", type=float, default=5.0, help="seconds a burner runs before timing")

@@ -11,7 +11,7 @@ called directly as the engine calls it (it writes the step's K/V itself), at eve
 (past ``MAX_QUERY_LEN`` too). ``--layers N`` gives each of N layers its own cache and cycles over
 them, so a cache is as cold as a model's is. The two paths alternate batch by batch. Prints
 microseconds per call (median and best of ``--repeats`` timed batches) for each query length: where
-the kernel stops winning sets ``MAX_QUERY_LEN`` in ``cpu_kernels/paged_attention.py``.
+the kernel stops winning sets ``MAX_QUERY_LEN`` in ``kernels/cpu/paged_attention.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from warmcap.contracts import AttentionMetadata
-from warmcap.cpu_kernels.paged_attention import KernelInputs, load_paged_attention
+from warmcap.kernels.cpu.paged_attention import KernelInputs, load_paged_attention
 from warmcap.runner_v2.attention.torch_paged import TorchPagedAttention, sink_slots
 
 BLOCK_SIZE = 16

@@ -1,4 +1,4 @@
-"""The compiled GEMM (``cpu_kernels/gemm.c``) built for several ISAs: stack vector moves in its
+"""The compiled GEMM (``kernels/cpu/gemm.c``) built for several ISAs: stack vector moves in its
 machine code (``objdump -d``) and the time of SmolLM2-135M's linear products, against another
 version of the source in the same run.
 
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from warmcap.cpu_kernels.build import compiler, flags_of
-from warmcap.cpu_kernels.gemm import BlockedWeight, padded
+from warmcap.kernels.cpu.build import compiler, flags_of
+from warmcap.kernels.cpu.gemm import BlockedWeight, padded
 
 #: SmolLM2-135M's products per layer: (K, N) of q/k/v, o, gate/up, down
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -69,7 +69,7 @@ def main() -> None:
     if shutil.which("objdump") is None:
         raise SystemExit("objdump not found (binutils)")
     tmp = Path(tempfile.mkdtemp(prefix="gemm-isa-"))
-    with resources.as_file(resources.files("warmcap.cpu_kernels").joinpath("gemm.c")) as package_source:
+    with resources.as_file(resources.files("warmcap.kernels.cpu").joinpath("gemm.c")) as package_source:
         sources = {"package": Path(package_source)}
         if args.against is not None:
             sources = {"against": args.against, **sources}

@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 .venv/bin/python benchmarks/bench_ops_per_step.py \\
         --model smollm2-135m --dtype bfloat16
 
-Counts (``src/warmcap/op_count.py``) one eager decode step at batch 1, two ways on the same model:
+Counts (``src/warmcap/devtools/op_count.py``) one eager decode step at batch 1, two ways on the same model:
 
 - ``torch``: the path CUDA runs without the fused ops, with the compiled CPU kernels switched off
   (``WARMCAP_CPU_LAYER_OPS``/``GEMM``/``ATTENTION=torch``: plain ``nn.Linear``, torch RoPE and
@@ -24,9 +24,9 @@ import os
 
 import torch
 
+from warmcap.devtools.op_count import OpCounts, decode_step_ops
 from warmcap.engine import LLMEngine
 from warmcap.llm import build_config
-from warmcap.op_count import OpCounts, decode_step_ops
 
 _TORCH_PATH = {
     "WARMCAP_CPU_LAYER_OPS": "torch",

@@ -107,9 +107,9 @@ def warmcap_runner(
     greedy_head: bool = True,
     **_: object,
 ) -> Runner:
-    from warmcap.cpu_kernels.gemm import ENV as GEMM_ENV
-    from warmcap.cpu_kernels.layer_ops import ENV as LAYER_OPS_ENV
-    from warmcap.cpu_kernels.paged_attention import ENV as ATTENTION_ENV
+    from warmcap.kernels.cpu.gemm import ENV as GEMM_ENV
+    from warmcap.kernels.cpu.layer_ops import ENV as LAYER_OPS_ENV
+    from warmcap.kernels.cpu.paged_attention import ENV as ATTENTION_ENV
     from warmcap.models.packed_linear import prepack_linears, unpack_linears
     from warmcap.sampling_params import SamplingParams
 
@@ -287,9 +287,9 @@ PEERS: dict[str, Callable[..., Runner]] = {
     "warmcap_ungrouped": partial(warmcap_runner, grouped=False),
     # the same engine on gather + SDPA attention: the peer for the CPU paged-attention kernel
     "warmcap_torch_attention": partial(warmcap_runner, attention="torch"),
-    # the same engine on torch's RMSNorm and RoPE: the peer for cpu_kernels/layer_ops.c
+    # the same engine on torch's RMSNorm and RoPE: the peer for kernels/cpu/layer_ops.c
     "warmcap_torch_layer_ops": partial(warmcap_runner, layer_ops="torch"),
-    # the same engine on oneDNN's packed GEMM (vLLM's CPU kernel): the peer for cpu_kernels/gemm.c
+    # the same engine on oneDNN's packed GEMM (vLLM's CPU kernel): the peer for kernels/cpu/gemm.c
     "warmcap_onednn": partial(warmcap_runner, gemm="torch"),
     # the same engine computing the full float32 logits every step: the peer for models/greedy_head.py
     "warmcap_full_head": partial(warmcap_runner, greedy_head=False),

@@ -1,9 +1,9 @@
 """GPU validation of warmcap's graph path: run on a CUDA machine, record the results with a date.
 
 One call: ``python scripts/gpu_check.py [CHECK ...]`` runs every check of
-:mod:`warmcap.device_check` (engines, slot_mapping, host_syncs, paged_attention, fused_ops,
+:mod:`warmcap.devtools.device_check` (engines, slot_mapping, host_syncs, paged_attention, fused_ops,
 tensor_parallel, audit_cost), or only the named ones. The checks are importable code that CI also
-runs on CPU (``tests/test_device_check.py``), so this script is only the GPU's settings around them.
+runs on CPU (``tests/devtools/test_device_check.py``), so this script is only the GPU's settings around them.
 
 Prints a summary; writes ``gpu_check.json`` into ``$OUT`` when that is set. Exit code 0 when every
 check passed, 1 when any failed, 2 when there is no CUDA device. Budget: at most 8 minutes on one
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
             "run this script on a CUDA machine. Nothing was checked."
         )
         return 2
-    from warmcap.device_check import CHECKS, CheckContext, out_path, run_checks, summary_lines
+    from warmcap.devtools.device_check import CHECKS, CheckContext, out_path, run_checks, summary_lines
     from warmcap.runner_v2.attention.selector import flashinfer_available
 
     unknown = [a for a in argv if a not in CHECKS]

@@ -41,9 +41,9 @@ def screen_on_every_cpu():
 
 @pytest.fixture(scope="session")
 def cpu_gemm():
-    """The compiled CPU GEMM (``cpu_kernels/gemm.c``), built now: a test that asks for it fails,
+    """The compiled CPU GEMM (``kernels/cpu/gemm.c``), built now: a test that asks for it fails,
     rather than silently testing oneDNN's product, where it cannot be built."""
-    from warmcap.cpu_kernels.gemm import ENV, load_gemm
+    from warmcap.kernels.cpu.gemm import ENV, load_gemm
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, "kernel")
@@ -54,9 +54,9 @@ def cpu_gemm():
 
 @pytest.fixture(scope="session")
 def cpu_layer_ops():
-    """The compiled CPU layer ops (``cpu_kernels/layer_ops.c``), built now: a test that asks for them
+    """The compiled CPU layer ops (``kernels/cpu/layer_ops.c``), built now: a test that asks for them
     fails, rather than silently testing torch's ops, where they cannot be built."""
-    from warmcap.cpu_kernels.layer_ops import ENV, load_layer_ops
+    from warmcap.kernels.cpu.layer_ops import ENV, load_layer_ops
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, "kernel")

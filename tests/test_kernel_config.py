@@ -1,7 +1,7 @@
 """Each kernel setting of the config (``config.KernelConfig``) is honoured by the engine it builds:
 given to ``LLM(...)`` (or a command's ``--flag``) it decides which kernels the loaded model and its
 attention run, over whatever its environment variable says. (Without a C compiler a ``kernel``
-setting fails start-up instead: ``tests/cpu_kernels/test_switches.py``.)"""
+setting fails start-up instead: ``tests/kernels/cpu/test_switches.py``.)"""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from warmcap.cpu_kernels.build import selected_isa, use_isa
 from warmcap.errors import ConfigError
+from warmcap.kernels.cpu.build import selected_isa, use_isa
 from warmcap.llm import LLM
 from warmcap.models.packed_linear import PackedLinear
 

@@ -1,11 +1,16 @@
 """The package's layering, read from the source's AST (function-local imports included).
 
 The layers, lowest first: ``errors``/``config``/``sampling_params``/``paths`` -> ``core`` -> ``contracts``
--> ``cpu_kernels`` -> ``models`` and ``runner_v2`` -> ``drafters`` -> ``warmup``/``graphs`` -> ``pages`` ->
-``engine`` -> ``serve``/``cli``.
+-> ``kernels`` (``kernels/cpu``, ``kernels/triton``) -> ``models`` and ``runner_v2`` -> ``drafters`` ->
+``audit`` -> ``warmup``/``graphs`` -> ``pages`` -> ``engine`` -> ``llm`` -> ``accept``/``serve``/``cli``.
+``devtools`` (the device checks, the op counter) stands beside the top and nothing else imports it.
 A module may import its own layer or lower ones. Imports under ``if TYPE_CHECKING:`` are type-only:
 they may not point upwards either, and they may not close a cycle either: a type-only cycle is a
 knot of modules that cannot be read, tested or split one at a time.
+
+Folders too: the graph of ``warmcap``'s top-level packages and modules (an import of
+``warmcap.engine`` from ``warmcap.warmup.hook`` is the arrow ``warmup -> engine``) has no cycle,
+so each folder sits on one floor.
 
 Inside ``graphs/``: ``graphs.capture`` (sizes, planning, capture, dispatch) -> ``graphs.proof``
 (verification, CUDA safety, the start-up cache, the report) -> ``graphs.startup``/``graphs.hook``,
@@ -15,6 +20,7 @@ which compose the two.
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,26 +32,36 @@ PACKAGE = SRC / "warmcap"
 
 #: For each package: the top-level names of ``warmcap`` it must never import.
 _ABOVE_RUNNER = frozenset(
-    {"drafters", "warmup", "graphs", "pages", "engine", "cli", "serve", "kv_transfer", "distributed"}
+    {"drafters", "audit", "warmup", "graphs", "pages", "engine", "llm", "startup", "cli", "serve"}
+    | {"accept", "kv_transfer", "distributed", "devtools"}
 )
 #: above the pages: what starts an engine (the pages draw its results, handed to them as data)
-_ABOVE_PAGES = frozenset({"engine", "llm", "startup", "cli", "serve"})
+_ABOVE_PAGES = frozenset({"engine", "llm", "startup", "cli", "serve", "accept", "devtools"})
 FORBIDDEN: dict[str, frozenset[str]] = {
     # core is held tighter still by CORE_ALLOWED below.
-    "core": _ABOVE_RUNNER | {"contracts", "cpu_kernels", "models", "runner_v2"},
-    "contracts": _ABOVE_RUNNER | {"models", "runner_v2", "cpu_kernels"},
-    # The compiled CPU kernels serve both models (layer ops) and runner_v2 (attention).
-    "cpu_kernels": _ABOVE_RUNNER | {"models", "runner_v2"},
+    "core": _ABOVE_RUNNER | {"contracts", "kernels", "models", "runner_v2"},
+    "contracts": _ABOVE_RUNNER | {"models", "runner_v2", "kernels"},
+    # The kernels (compiled CPU, Triton) serve both models (layer ops) and runner_v2 (attention,
+    # slot mapping); they see neither.
+    "kernels": _ABOVE_RUNNER | {"models", "runner_v2"},
     # Models read the tensor-parallel facts from contracts.parallel, never the package that starts ranks.
     "models": _ABOVE_RUNNER | {"runner_v2"},
     "runner_v2": _ABOVE_RUNNER,
     # KV connectors sit above core and runner_v2, which see them only through core/kv_connector.py.
     "kv_transfer": _ABOVE_RUNNER - {"kv_transfer"},
-    # The HTML pages draw warmup plans and capture reports; neither knows they exist.
-    "warmup": frozenset({"pages"}),
-    "graphs": frozenset({"pages"}),
+    # The audits read the runner's write records and the KV manager's tables; warmup, the engine and
+    # serve call them, so they never see those (nor the drafters whose writes they check).
+    "audit": _ABOVE_RUNNER - {"audit"},
+    # The HTML pages draw warmup plans and capture reports; neither knows they exist, nor what starts
+    # an engine (warmup -> llm was the arrow that closed warmup -> llm -> engine -> warmup).
+    "warmup": _ABOVE_PAGES | {"pages"},
+    "graphs": _ABOVE_PAGES | {"pages"},
     "pages": _ABOVE_PAGES,
 }
+#: the only importers of the acceptance harness (an application of ``LLM``, like serve)
+ACCEPT_IMPORTERS = frozenset({"accept", "cli"})
+#: the dev instruments: imported by scripts, benchmarks and tests, never by a module outside them
+DEVTOOLS = "devtools"
 #: ``core`` may import only these (besides itself and the standard library / third parties).
 CORE_ALLOWED = frozenset({"core", "config", "errors", "sampling_params", "spec_methods"})
 #: Inside ``graphs/``: for each part, the parts above it it must never import (type-only included).
@@ -192,6 +208,83 @@ def test_no_runtime_import_cycle() -> None:
             graph.setdefault(imp.importer, set()).add(imp.target)
     cycle = _find_cycle(graph)
     assert cycle is None, "runtime import cycle: " + " -> ".join(cycle or [])
+
+
+def _folder(module: str) -> str:
+    """The folder (top-level package or module of ``warmcap``) a module lives in; the package's own
+    ``__init__`` (the lazy ``LLM`` door) is the node ``warmcap``."""
+    return _layer(module) or "warmcap"
+
+
+def _folder_graph(imports: list[Import]) -> tuple[dict[str, set[str]], dict[tuple[str, str], str]]:
+    """The folder-level import graph (type-only imports included) and, per arrow, one import that
+    draws it (``importer:line -> target``), so a cycle names the lines to change."""
+    graph: dict[str, set[str]] = {}
+    witness: dict[tuple[str, str], str] = {}
+    for imp in imports:
+        src, dst = _folder(imp.importer), _folder(imp.target)
+        if src != dst:
+            graph.setdefault(src, set()).add(dst)
+            witness.setdefault((src, dst), f"{imp.importer}:{imp.line} -> {imp.target}")
+    return graph, witness
+
+
+def _cycle_report(graph: dict[str, set[str]], witness: dict[tuple[str, str], str]) -> str:
+    cycle = _find_cycle(graph) or []
+    arrows = [f"  {a} -> {b}: {witness[a, b]}" for a, b in itertools.pairwise(cycle)]
+    return " -> ".join(cycle) + "\n" + "\n".join(arrows)
+
+
+def test_no_folder_level_cycle() -> None:
+    """Each folder sits on one floor: no chain of imports leads from a folder back into itself
+    (warmup -> llm -> engine -> warmup was one, while the acceptance harness lived in warmup/)."""
+    graph, witness = _folder_graph(_all_imports())
+    assert _find_cycle(graph) is None, "folder-level import cycle: " + _cycle_report(graph, witness)
+
+
+def test_nothing_outside_devtools_imports_devtools() -> None:
+    """The device checks patch runner attributes and set environment switches; the op counter wraps
+    backends. Scripts, benchmarks and tests use them; the runtime never does."""
+    bad = [
+        f"{imp.importer}:{imp.line} imports {imp.target}"
+        for imp in _all_imports()
+        if _layer(imp.target) == DEVTOOLS and _layer(imp.importer) != DEVTOOLS
+    ]
+    assert not bad, "runtime modules importing devtools:\n" + "\n".join(bad)
+
+
+def test_only_the_cli_imports_the_acceptance_harness() -> None:
+    """accept/ runs ``LLM`` (or a server) over a prompt set: an application, like serve. Anything
+    else importing it would pull the engine in under itself."""
+    bad = [
+        f"{imp.importer}:{imp.line} imports {imp.target}"
+        for imp in _all_imports()
+        if _layer(imp.target) == "accept" and _folder(imp.importer) not in ACCEPT_IMPORTERS
+    ]
+    assert not bad, "accept/ imported by more than the CLI:\n" + "\n".join(bad)
+
+
+def test_a_planted_folder_cycle_is_found(tmp_path: Path) -> None:
+    """The cycle the acceptance harness closed in warmup/: no module cycle (harness -> llm -> engine
+    -> hook, and hook imports none of them), yet warmup -> llm -> engine -> warmup as folders. The
+    folder test sees it and names each arrow's import; the layer table forbids warmup -> llm."""
+    sources = {
+        "warmcap.warmup.accept": "def run():\n    from warmcap.llm import LLM\n",
+        "warmcap.llm": "from warmcap.engine import LLMEngine\n",
+        "warmcap.engine": "from warmcap.warmup.hook import warmup_hook\n",
+        "warmcap.warmup.hook": "import torch\n",
+    }
+    modules: dict[str, Path] = {}
+    for name, text in sources.items():
+        modules[name] = tmp_path / f"{name}.py"
+        modules[name].write_text(text)
+    imports = [imp for name, path in modules.items() for imp in _imports(name, path, modules)]
+    runtime = {i.importer: {i.target} for i in imports}
+    assert _find_cycle(runtime) is None
+    graph, witness = _folder_graph(imports)
+    assert set(_find_cycle(graph) or []) == {"warmup", "llm", "engine"}
+    assert "warmcap.warmup.accept:2 -> warmcap.llm" in _cycle_report(graph, witness)
+    assert "llm" in FORBIDDEN["warmup"]
 
 
 @pytest.mark.parametrize(

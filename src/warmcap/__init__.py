@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmcap.cpu_kernels.threads import prefer_yielding_wait
+from warmcap.kernels.cpu.threads import prefer_yielding_wait
 
 # NOTE: before anything imports torch, whose OpenMP runtime reads its wait policy once, at load:
 # a short spin, then sleep, so that a thread waiting at a barrier on a busy host gives its core
-# to the thread it waits for (cpu_kernels/threads.py). A policy the user set is kept.
+# to the thread it waits for (kernels/cpu/threads.py). A policy the user set is kept.
 prefer_yielding_wait()
 
 __version__ = "0.1.0"

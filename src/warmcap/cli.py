@@ -324,12 +324,12 @@ def generate(
     --max-model-len to size it like a server.
     """
     _worker_if_launched(engine["tensor_parallel_size"], quiet=quiet, verbose=verbose)
+    from warmcap.audit.kv_writes import AuditViolationError
     from warmcap.config import SpeculativeConfig
     from warmcap.llm import LLM
     from warmcap.models.loader import load_tokenizer
     from warmcap.models.presets import resolve_model_path
     from warmcap.sampling_params import SamplingParams
-    from warmcap.warmup.audit import AuditViolationError
 
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
@@ -729,9 +729,9 @@ def accept(
     import json
     from pathlib import Path
 
-    from warmcap.warmup import accept as acc
-    from warmcap.warmup import accept_baseline as ab
-    from warmcap.warmup.accept_view import accept_json, render_comparison, render_measurement
+    from warmcap.accept import baseline as ab
+    from warmcap.accept import harness as acc
+    from warmcap.accept.view import accept_json, render_comparison, render_measurement
 
     speculative = acc.parse_spec(spec)
     prompt_set = acc.load_prompt_set(Path(prompts) if prompts else None)

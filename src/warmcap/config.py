@@ -381,7 +381,7 @@ class KernelConfig:
     start-up verdict cache keys on this record (``graphs/proof/startup_cache.py``), so a verdict is
     never reused for kernels it was not checked with."""
 
-    #: the compiled CPU GEMM (``cpu_kernels/gemm.c``) for packed linears, else oneDNN's
+    #: the compiled CPU GEMM (``kernels/cpu/gemm.c``) for packed linears, else oneDNN's
     cpu_gemm: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_GEMM"))
     #: the compiled CPU layer ops (RMSNorm, SiLU-mul, RoPE), else torch's
     cpu_layer_ops: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_LAYER_OPS"))
@@ -425,7 +425,7 @@ class EngineConfig:
     #: ranks the model is sharded over (``warmcap.distributed``); 1: one device, no workers
     tensor_parallel_size: int = 1
     #: model threads of each rank on CPU (None: torch's count with one rank, else the rank's share
-    #: of the cores); see ``cpu_kernels/threads.py``
+    #: of the cores); see ``kernels/cpu/threads.py``
     cpu_threads: int | None = None
     #: where those threads run: auto (pinned to the rank's share of the cores), none, or CPU lists
     cpu_threads_bind: str = "auto"

@@ -18,19 +18,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from warmcap.assembly import assemble, finish_config, resolve_async_scheduling, resolve_device
+from warmcap.audit.serving import ServingAudit
 from warmcap.config import EngineConfig, StartupOptions
 from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
 from warmcap.core.outputs import SchedulerOutput
 from warmcap.core.request import Request
 from warmcap.core.scheduler import Scheduler
-from warmcap.cpu_kernels.build import use_isa
-from warmcap.cpu_kernels.threads import start_threads
 from warmcap.detokenizer import TextDecoder
 from warmcap.distributed.executor import TPExecutor
 from warmcap.drafters import build_drafter
 from warmcap.errors import ConfigError, NonFiniteLogitsError
 from warmcap.graphs.hook import graph_capture_hook
+from warmcap.kernels.cpu.build import use_isa
+from warmcap.kernels.cpu.threads import start_threads
 from warmcap.kv_sizing import free_memory_bytes
 from warmcap.kv_transfer.factory import build_kv_connector
 from warmcap.kv_transfer.params import check_transfer_params
@@ -55,7 +56,6 @@ from warmcap.startup_hooks import (
     notify,
 )
 from warmcap.warmup.hook import warmup_hook
-from warmcap.warmup.serving_audit import ServingAudit
 
 if TYPE_CHECKING:
     from warmcap.graphs.startup import GraphStartup
@@ -98,7 +98,7 @@ class LLMEngine:
 
     ``startup.audit_serving`` records and audits the KV writes of every serving step (invariant I2, as
     warmup is audited); a step that writes outside its blocks raises
-    :class:`~warmcap.warmup.audit.AuditViolationError` and its requests are aborted. It copies slot
+    :class:`~warmcap.audit.kv_writes.AuditViolationError` and its requests are aborted. It copies slot
     mappings to the host each step, so it costs throughput: a debugging and CI switch.
     """
 

@@ -35,7 +35,7 @@ class LLM:
         ``backend``, ``capture_sizes``, ``startup_cache``), with the defaults of
         :class:`~warmcap.config.StartupOptions`, the same as ``warmup run`` and ``warmup serve``.
 
-        Raises :class:`~warmcap.warmup.audit.AuditViolationError` when the start-up audit finds a
+        Raises :class:`~warmcap.audit.kv_writes.AuditViolationError` when the start-up audit finds a
         stray KV write: an engine whose cache may be corrupted is never handed out.
         """
         named = {k: kwargs.pop(k) for k in STARTUP_OPTION_NAMES if k in kwargs}

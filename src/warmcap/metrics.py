@@ -32,7 +32,7 @@ _PER_POS = (
 @dataclass(slots=True)
 class SpecDecodeMetrics:
     """Running totals over every verified draft — or, read back from a ``/metrics`` scrape or a
-    stored baseline, the counts between two readings (``warmup/acceptance.py``, :meth:`since`).
+    stored baseline, the counts between two readings (``accept/counters.py``, :meth:`since`).
 
     A *draft* is one request's proposal verified in one step; ``accepted_per_pos[i]`` counts drafts
     whose first ``i + 1`` tokens were all accepted, so the per-position rates never rise.

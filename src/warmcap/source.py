@@ -17,7 +17,7 @@ SOURCE_SUFFIXES = (".py", ".json", ".c", ".h")
 @cache
 def source_digest() -> str:
     """sha256 over the path and bytes of every source and data file of the ``warmcap`` package, the
-    C kernels' sources included (``cpu_kernels``: their numbers are verdicts' inputs too)."""
+    C kernels' sources included (``kernels/cpu``: their numbers are verdicts' inputs too)."""
     root = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):

@@ -1,4 +1,4 @@
-"""The thread budget of a tensor-parallel engine on CPU (``cpu_kernels/threads.py``): the ranks split
+"""The thread budget of a tensor-parallel engine on CPU (``kernels/cpu/threads.py``): the ranks split
 the cores, each rank's threads pinned to its own share, and the workers start with a short OpenMP
 spin."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from warmcap.cpu_kernels.threads import SPIN_COUNT, plan_threads, process_cpus
 from warmcap.errors import ConfigError
+from warmcap.kernels.cpu.threads import SPIN_COUNT, plan_threads, process_cpus
 from warmcap.llm import LLM
 from warmcap.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The fused Triton ops (``models/fused_ops.py``, kernels in ``models/triton_ops.py``) against
+"""The fused Triton ops (``models/fused_ops.py``, kernels in ``kernels/triton/layer_ops.py``) against
 torch's reference ops, run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py``): RMSNorm with and without the residual add, SiLU-and-multiply, RoPE with
 the paged KV write (PAD slots to the sink), the greedy argmax and its head; the tensors each op
@@ -295,7 +295,7 @@ def test_a_model_on_the_fused_ops_generates_the_reference_tokens_and_logs_every_
 @pytest.mark.slow
 def test_gpu_checks_fused_ops_body_runs_on_cpu(monkeypatch):
     # gpu_check's fused_ops check, on CPU under the interpreter, so it cannot rot unseen.
-    from warmcap.device_check.fused import fused_op_comparison
+    from warmcap.devtools.device_check.fused import fused_op_comparison
 
     for env in ("WARMCAP_CPU_LAYER_OPS", "WARMCAP_CPU_GEMM", "WARMCAP_CPU_ATTENTION"):
         monkeypatch.setenv(env, "torch")

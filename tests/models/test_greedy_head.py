@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from warmcap.cpu_kernels.gemm import Gemm
-from warmcap.cpu_kernels.layer_ops import LayerOps
+from warmcap.kernels.cpu.gemm import Gemm
+from warmcap.kernels.cpu.layer_ops import LayerOps
 from warmcap.models.greedy_head import GreedyHead, bound_coefficient
 from warmcap.models.loader import load_model
 from warmcap.models.packed_linear import prepack_linears, unpack_linears

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from warmcap.cpu_kernels.gemm import BlockedWeight, Gemm
+from warmcap.kernels.cpu.gemm import BlockedWeight, Gemm
 from warmcap.models.batch_invariant import BatchInvariantLinear
 from warmcap.models.loader import load_model
 from warmcap.models.packed_linear import (

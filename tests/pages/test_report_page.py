@@ -10,13 +10,13 @@ import pytest
 from page_dom import Page, check_numbers, network_references
 from typer.testing import CliRunner
 
+from warmcap.audit.kv_writes import AuditResult
 from warmcap.cli import app
 from warmcap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from warmcap.core.kv_spec import FullAttentionSpec, KVCacheGroup
 from warmcap.graphs.proof.report import CaptureReport
 from warmcap.pages.report_page import report_page
 from warmcap.pages.run_detail import run_detail
-from warmcap.warmup.audit import AuditResult
 from warmcap.warmup.planner import plan_warmup
 from warmcap.warmup.run import WarmupResult
 

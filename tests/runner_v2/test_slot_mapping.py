@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmcap.contracts import PAD_SLOT_ID
+from warmcap.kernels.triton.slot_mapping import triton_slot_mapping
 from warmcap.runner_v2.slot_mapping import compute_slot_mapping, host_slot_mapping
-from warmcap.runner_v2.triton_slot_mapping import triton_slot_mapping
 
 
 def _plain_slots(table: list[list[int]], qlens: list[int], starts: list[int], bs: int) -> list[int]:

@@ -17,12 +17,12 @@ from typer.testing import CliRunner
 
 import warmcap.warmup.hook
 from server_procs import cluster, free_port
+from warmcap.audit.kv_writes import Violation
 from warmcap.cli import app as cli_app
 from warmcap.config import StartupOptions
 from warmcap.llm import build_config
 from warmcap.models.presets import resolve_model_path
 from warmcap.serve import ServeOptions, build_app
-from warmcap.warmup.audit import Violation
 
 SMALL = ["--model", "tiny-llama", "--num-blocks", "128", "--capture-sizes", "1,2", "--max-num-seqs", "4"]
 

@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 import warmcap.warmup.hook
+from warmcap.audit.kv_writes import AuditViolationError
 from warmcap.cli import app as cli_app
 from warmcap.config import (
     CacheConfig,
@@ -26,7 +27,6 @@ from warmcap.config import (
 from warmcap.engine import LLMEngine
 from warmcap.llm import LLM
 from warmcap.sampling_params import SamplingParams
-from warmcap.warmup.audit import AuditViolationError
 from warmcap.warmup.planner import plan_warmup
 
 SPEC_METHODS = ["draft_model:2", "eagle:3", "eagle3:2", "mtp:2", "dflash:3", "ngram:3"]

@@ -39,7 +39,6 @@ import torch
 import torch.multiprocessing as mp
 
 from warmcap.config import EngineConfig
-from warmcap.cpu_kernels.threads import prefer_yielding_wait
 from warmcap.distributed.channel import CommandChannel, Launch, RunHook, Stop
 from warmcap.distributed.rank_report import rank_rows, summarize
 from warmcap.distributed.rendezvous import (
@@ -56,6 +55,7 @@ from warmcap.distributed.tp_runner import TPModelRunner
 from warmcap.distributed.worker import worker_main
 from warmcap.distributed.workers import LaunchedWorkers, SpawnedWorkers, WorkerWatch, failure_from_report
 from warmcap.errors import ConfigError, WarmcapError
+from warmcap.kernels.cpu.threads import prefer_yielding_wait
 
 if TYPE_CHECKING:
     from warmcap.graphs.proof.report import RankRow

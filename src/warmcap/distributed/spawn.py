@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from warmcap.cpu_kernels.threads import BIND_AUTO, prefer_yielding_wait, start_threads
 from warmcap.distributed.rendezvous import DEFAULT_COLLECTIVE_TIMEOUT_S, Rendezvous, join_group, leave_group
 from warmcap.errors import WarmcapError
+from warmcap.kernels.cpu.threads import BIND_AUTO, prefer_yielding_wait, start_threads
 
 #: how often the parent checks that every rank is alive
 POLL_S = 0.2

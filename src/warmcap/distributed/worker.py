@@ -23,13 +23,13 @@ from warmcap.assembly import assemble
 from warmcap.config import EngineConfig
 from warmcap.contracts.parallel import replicated
 from warmcap.core.kv_cache_manager import KVCacheManager
-from warmcap.cpu_kernels.build import use_isa
-from warmcap.cpu_kernels.threads import start_threads
 from warmcap.distributed.channel import CommandChannel, Launch, RunHook, Step, Stop
 from warmcap.distributed.rank_report import summarize
 from warmcap.distributed.rendezvous import Rendezvous, join_group, leave_group
 from warmcap.distributed.tp_runner import TPModelRunner
 from warmcap.drafters import build_drafter
+from warmcap.kernels.cpu.build import use_isa
+from warmcap.kernels.cpu.threads import start_threads
 from warmcap.kv_sizing import free_memory_bytes
 from warmcap.runner_v2.model_runner import TORCH_DTYPES
 from warmcap.startup_hooks import StartupContext, hook_name

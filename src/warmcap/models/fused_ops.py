@@ -1,5 +1,5 @@
 """Fused decoder-layer ops on CUDA: RMSNorm (with the residual add), RoPE with the KV write,
-SiLU-and-multiply and the greedy argmax, each one Triton kernel (``models/triton_ops.py``).
+SiLU-and-multiply and the greedy argmax, each one Triton kernel (``kernels/triton/layer_ops.py``).
 
 One capability check (:func:`fused_ops_for`) decides: a CUDA device with Triton importable, unless
 ``WARMCAP_FUSED_OPS=torch``. The loader then hands a :class:`FusedOps` to every module declaring
@@ -10,7 +10,7 @@ returns None / False for tensors it refuses). Tests run the same kernels on CPU 
 
 Each op is a ``torch.library`` custom op (namespace ``warmcap_fused``) with a fake
 implementation: a CUDA graph records its one launch, a fake-tensor check (``graphs/proof/safety.py``)
-or ``torch.compile`` sees one opaque op, and ``op_count.py`` counts it once.
+or ``torch.compile`` sees one opaque op, and ``devtools/op_count.py`` counts it once.
 
 Why Triton kernels and not ``torch.compile`` (inductor) inside the captured graphs: inductor would
 have to compile every captured shape of every model at start-up (15-22 s cold for one CPU graph
@@ -268,7 +268,7 @@ class FusedGreedyHead:
 
 @torch.library.custom_op("warmcap_fused::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     triton_ops.rms_norm(x, weight, eps, out, None, None)
@@ -284,7 +284,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _add_rms_norm_op(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     total = torch.empty_like(h, memory_format=torch.contiguous_format)
     out = torch.empty_like(h, memory_format=torch.contiguous_format)
@@ -302,7 +302,7 @@ def _(
 
 @torch.library.custom_op("warmcap_fused::silu_mul", mutates_args=())
 def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)
     triton_ops.silu_mul(gate, up, out)
@@ -324,7 +324,7 @@ def _rope_write_kv_op(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     triton_ops.rope_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
 
@@ -344,7 +344,7 @@ def _(
 
 @torch.library.custom_op("warmcap_fused::greedy_argmax", mutates_args=())
 def _greedy_argmax_op(logits: torch.Tensor) -> torch.Tensor:
-    from warmcap.models import triton_ops
+    from warmcap.kernels.triton import layer_ops as triton_ops
 
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     triton_ops.greedy_argmax(logits, out)

@@ -22,7 +22,7 @@ round-to-nearest), e = 2^-24 (float32), g_n = n e / (1 - n e), S_v = sum_i |x_i 
   float32 argmax v* satisfies z^_v* + b_v* >= z_v* >= max_u z_u >= max_u (z^_u - b_u): v* lies in
   C = {v : z^_v + b_v >= max_u (z^_u - b_u)}.
 
-On CPU the loader's compiled layer ops (``cpu_kernels/layer_ops.c``) run the test above in one
+On CPU the loader's compiled layer ops (``kernels/cpu/layer_ops.c``) run the test above in one
 call: two passes over the bf16 screen instead of a float32 copy and six torch passes over it
 (~1 ms a step on SmolLM2 at 16 rows). It evaluates the same float32 expressions, so it finds the
 same candidates; without the ops, torch's passes run.
@@ -33,7 +33,7 @@ candidates; ids are ascending, so ties go to the lowest id as ``torch.argmax`` a
 ``runner_v2/sampler.py``'s ``row_argmax`` break them.
 
 NOTE: exactness against the full float32 logits rests on the re-score rounding each dot product
-as the full GEMM does. The compiled GEMM (``cpu_kernels/gemm.c``, the loader's layout where it
+as the full GEMM does. The compiled GEMM (``kernels/cpu/gemm.c``, the loader's layout where it
 builds) guarantees it: each output is one multiply-add chain over the hidden size, whatever the
 columns beside it (tested). oneDNN's packed product of the gathered rows has been bit-equal to the
 full product's columns in every check (``tests/models/test_greedy_head.py`` asserts it on
@@ -66,8 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warmcap.cpu_kernels.gemm import BlockedWeight
-from warmcap.cpu_kernels.layer_ops import LayerOps
+from warmcap.kernels.cpu.gemm import BlockedWeight
+from warmcap.kernels.cpu.layer_ops import LayerOps
 from warmcap.models.packed_linear import PackedLinear, can_prepack
 
 #: environment switch: "0" computes the full logits on every step (the A/B peer)
@@ -181,7 +181,7 @@ class GreedyHead:
     max_norm: float
     coefficient: float
     hidden_size: int
-    #: the compiled candidate test (``cpu_kernels/layer_ops.c``); None: torch's ops
+    #: the compiled candidate test (``kernels/cpu/layer_ops.c``); None: torch's ops
     ops: LayerOps | None = None
     #: scratch of :meth:`screen`, made on first use: float32 ``[2, _CHUNK, V]`` for torch's ops,
     #: ``9 V`` bytes for the compiled test

@@ -26,7 +26,7 @@ from warmcap.errors import ModelLoadError
 from warmcap.models.packed_linear import packed_group
 
 if TYPE_CHECKING:
-    from warmcap.cpu_kernels.layer_ops import LayerOps
+    from warmcap.kernels.cpu.layer_ops import LayerOps
     from warmcap.models.fused_ops import FusedOps
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -87,11 +87,11 @@ class RMSNorm(nn.Module):
 
 
 def attach_cpu_layer_ops(model: nn.Module, mode: str | None = None) -> LayerOps | None:
-    """Hand the compiled CPU layer ops (``cpu_kernels/layer_ops.c``) to every module of ``model``
+    """Hand the compiled CPU layer ops (``kernels/cpu/layer_ops.c``) to every module of ``model``
     that can use them (those declaring ``cpu_ops``), when the config's ``kernel.cpu_layer_ops``
     (``mode``; None: its default) allows and they build; returns them (None: the modules keep
     torch's ops)."""
-    from warmcap.cpu_kernels.layer_ops import load_layer_ops
+    from warmcap.kernels.cpu.layer_ops import load_layer_ops
 
     ops = load_layer_ops(mode)
     if ops is not None:

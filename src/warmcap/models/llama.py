@@ -24,7 +24,7 @@ from warmcap.models.packed_linear import packed_group
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
-    from warmcap.cpu_kernels.layer_ops import LayerOps
+    from warmcap.kernels.cpu.layer_ops import LayerOps
     from warmcap.models.fused_ops import FusedOps
 
 #: checkpoint entries that carry no weights of ours (recomputed buffers)

@@ -2,7 +2,7 @@
 
 ``F.linear`` on CPU multiplies by the ``[out, in]`` weight as stored, and MKL re-blocks it on every
 call. A prepacked copy is laid out once for the kernel that reads it:
-- the compiled GEMM's column blocks (``cpu_kernels/gemm.c``, :class:`~warmcap.cpu_kernels.gemm.BlockedWeight`),
+- the compiled GEMM's column blocks (``kernels/cpu/gemm.c``, :class:`~warmcap.kernels.cpu.gemm.BlockedWeight`),
   where the system compiler builds it and ``$WARMCAP_CPU_GEMM`` allows it: the loader's default;
 - oneDNN's blocked layout otherwise (``torch.ops.mkldnn``, the ops inductor emits when it freezes
   weights): measured 1.7x faster than ``F.linear`` over the linears of SmolLM2 at decode sizes.
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warmcap.cpu_kernels.gemm import BlockedWeight, Gemm, blocked_bytes, load_gemm
+from warmcap.kernels.cpu.gemm import BlockedWeight, Gemm, blocked_bytes, load_gemm
 
 
 def can_prepack() -> bool:
@@ -181,8 +181,8 @@ def prepack_linears(
 
     ``gemm``: the layout. True (the loader's) packs for the compiled GEMM when
     the config's ``kernel.cpu_gemm`` (``gemm_mode``; None: its default) allows it and it builds
-    (:func:`~warmcap.cpu_kernels.gemm.load_gemm`),
-    else for oneDNN; a :class:`~warmcap.cpu_kernels.gemm.Gemm` packs for that one; False or None
+    (:func:`~warmcap.kernels.cpu.gemm.load_gemm`),
+    else for oneDNN; a :class:`~warmcap.kernels.cpu.gemm.Gemm` packs for that one; False or None
     for oneDNN. A weight shared by several modules (a tied LM head) is packed once per
     module that multiplies by it; the parameters themselves are untouched, so embeddings and state
     dicts see no change.

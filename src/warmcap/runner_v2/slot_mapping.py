@@ -4,7 +4,7 @@ Slot of position ``p`` of row ``r`` = ``table[r, p // bs] * bs + p % bs``; the t
 buffer past the real tokens is PAD (-1). The torch version is the reference; the CPU step computes
 it with numpy over the buffers' host views (:func:`host_slot_mapping`: a few array ops, a fraction
 of the torch ops' dispatch cost); on CUDA the Triton kernel in
-:mod:`warmcap.runner_v2.triton_slot_mapping` computes the same thing on the device.
+:mod:`warmcap.kernels.triton.slot_mapping` computes the same thing on the device.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def slot_mapping(
 ) -> torch.Tensor:
     """The slot mapping on the tensors' device: the Triton kernel on CUDA, torch elsewhere."""
     if out.is_cuda:
-        from warmcap.runner_v2.triton_slot_mapping import triton_slot_mapping
+        from warmcap.kernels.triton.slot_mapping import triton_slot_mapping
 
         return triton_slot_mapping(block_table, query_start_loc, positions, block_size, out)
     return compute_slot_mapping(block_table, query_start_loc, positions, block_size, out)

@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from warmcap.audit.kv_writes import AuditViolationError
+from warmcap.audit.serving import ServingAuditCounts
 from warmcap.errors import ConfigError, WarmcapError
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.serve.chat import ChatPrompt, chat_token_ids
-from warmcap.warmup.audit import AuditViolationError
-from warmcap.warmup.serving_audit import ServingAuditCounts
 
 if TYPE_CHECKING:
     from warmcap.engine import LLMEngine, RequestOutput

@@ -18,7 +18,7 @@ from warmcap.metrics import SpecDecodeCollector, SpecDecodeMetrics
 from warmcap.serve.startup_facts import StartupFacts
 
 if TYPE_CHECKING:
-    from warmcap.warmup.serving_audit import ServingAuditCounts
+    from warmcap.audit.serving import ServingAuditCounts
 
 # vLLM's latency buckets, trimmed to what a CPU or one GPU sees.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from warmcap.warmup.audit import AuditViolationError
+from warmcap.audit.kv_writes import AuditViolationError
 from warmcap.warmup.planner import plan_warmup
 from warmcap.warmup.run import WarmupResult, run_warmup
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from warmcap.audit.kv_writes import AuditResult, audit_records
 from warmcap.core.outputs import SchedulerOutput
 from warmcap.errors import WarmcapError
-from warmcap.warmup.audit import AuditResult, audit_records
 
 if TYPE_CHECKING:
     from warmcap.core.kv_cache_manager import KVCacheManager

@@ -90,7 +90,7 @@ def default_tolerance(
     NOTE: without batch invariance the unpadded batch runs every GEMM with fewer rows than the
     graph, and on oneDNN/MKL a row's result depends on the row count (measured: any count of 1-3,
     5-7, 9-11 rows differs from larger ones in the last bits; the compiled CPU GEMM,
-    ``cpu_kernels/gemm.c``, does not, which leaves attention's query padding). Through SmolLM2-135M's 30 layers that
+    ``kernels/cpu/gemm.c``, does not, which leaves attention's query padding). Through SmolLM2-135M's 30 layers that
     becomes ~2e-6 relative (4e-4 on hidden states of magnitude 40); tiny models stay under 1e-5
     absolute. Padding that leaked into real rows would be off by O(1), and greedy tokens must match
     as well."""

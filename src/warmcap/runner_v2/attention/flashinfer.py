@@ -3,9 +3,9 @@
 Pure decode steps (``max_query_len`` 1, known from host sizes) go through a
 ``BatchDecodeWithPagedKVCacheWrapper``; every other step (mixed prefill / decode / spec-verify rows,
 draft prefill) through a ``BatchPrefillWithPagedKVCacheWrapper``: one wrapper per (metadata, layer
-shape, window). K/V are written by the Triton write kernel (:func:`.triton_paged.write_kv_triton`,
-one launch; PAD slots write nothing); the cache halves ``kv_cache[0]`` / ``kv_cache[1]`` are passed as
-an NHD ``(k, v)`` tuple.
+shape, window). K/V are written by the Triton write kernel
+(:func:`~warmcap.kernels.triton.paged_attention.write_kv_triton`, one launch; PAD slots write
+nothing); the cache halves ``kv_cache[0]`` / ``kv_cache[1]`` are passed as an NHD ``(k, v)`` tuple.
 
 Graphs: planning needs host syncs, so it cannot happen inside a capture. The runner's eager pass over
 a shape plans its wrappers; :meth:`FlashInferAttention.prepare_for_capture` (same metadata objects)
@@ -26,8 +26,8 @@ from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
 from warmcap.core.reservation import blocks_covering
 from warmcap.errors import ConfigError
+from warmcap.kernels.triton.paged_attention import write_kv_triton
 from warmcap.runner_v2.attention.torch_paged import MetaStamp, token_rows
-from warmcap.runner_v2.attention.triton_paged import write_kv_triton
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 

@@ -1,6 +1,7 @@
 """Pick the runner's backends for a device. Attention on CUDA: FlashInfer when importable, else the
-Triton paged kernel (:mod:`.triton_paged`); on CPU (and for batch-invariant runs) pure torch, which
-stays the reference everywhere. The torch MLA, lightning-indexer and Mamba2 backends everywhere.
+Triton paged kernel (:mod:`warmcap.kernels.triton.paged_attention`); on CPU (and for batch-invariant
+runs) pure torch, which stays the reference everywhere. The torch MLA, lightning-indexer and Mamba2
+backends everywhere.
 
 NOTE: the CUDA backends are imported only when chosen: a CPU run never imports FlashInfer, and
 imports Triton's kernels only when asked for them by name.
@@ -57,7 +58,7 @@ def select_backend(
 
         return FlashInferAttention(torch.device(device))
     if name == "triton":
-        from warmcap.runner_v2.attention.triton_paged import TritonPagedAttention
+        from warmcap.kernels.triton.paged_attention import TritonPagedAttention
 
         return TritonPagedAttention()
     return TorchPagedAttention(device, batch_invariant=batch_invariant, cpu_attention=cpu_attention)

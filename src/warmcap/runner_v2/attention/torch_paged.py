@@ -16,13 +16,13 @@ import torch.nn.functional as F
 
 from warmcap.contracts.backends import AttentionBackend
 from warmcap.contracts.metadata import AttentionMetadata
-from warmcap.cpu_kernels.paged_attention import (
+from warmcap.kernels.cpu.paged_attention import (
     MAX_QUERY_LEN,
     KernelInputs,
     PagedAttentionKernel,
     load_paged_attention,
 )
-from warmcap.cpu_kernels.policy import kernel_can_take
+from warmcap.kernels.cpu.policy import kernel_can_take
 
 _MAX_CACHED_PLANS = 8
 
@@ -77,7 +77,7 @@ def token_rows(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, 
 
 def _kernel_can_read(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The compiled CPU kernel may run on these tensors: a contiguous float32 CPU cache, a CPU query
-    and no gradient to record (:func:`~warmcap.cpu_kernels.policy.kernel_can_take`; fake tensors run
+    and no gradient to record (:func:`~warmcap.kernels.cpu.policy.kernel_can_take`; fake tensors run
     the kernel operator's fake implementation)."""
     grad = q.requires_grad and torch.is_grad_enabled()
     return q.device.type == "cpu" and not grad and kv_cache.is_contiguous() and kernel_can_take(kv_cache)
@@ -339,7 +339,7 @@ class TorchPagedAttention(AttentionBackend):
     Handles mixed prefill / decode / spec-verify rows, GQA and sliding windows. Padded rows
     (``seq_len`` 0) give zeros and never influence real rows. On a CPU float32 cache, steps of at
     most ``MAX_QUERY_LEN`` queries per row go to the compiled kernel of
-    :mod:`warmcap.cpu_kernels.paged_attention` instead, which reads the pages
+    :mod:`warmcap.kernels.cpu.paged_attention` instead, which reads the pages
     in place (same results; the config's ``kernel.cpu_attention`` chooses). So do graph steps
     (``meta.graph_bounds``) at any query span: their ``max_seq_len`` is ``max_model_len``, and the
     gather would read and score every column up to it, where the kernel reads each row's own

@@ -1,0 +1,81 @@
+"""When a compiled CPU kernel is used: the switch each kernel family has (``auto``, ``torch``,
+``kernel``) and the tensors a kernel may be handed.
+
+``auto`` (the default) uses the kernel when it builds and falls back to torch when it does not, with
+one warning per machine: the process whose build failed warns, later ones find the failure recorded
+(:mod:`.build`) and say so at INFO level only. ``torch`` never uses the kernel; ``kernel`` requires it
+and fails start-up when it cannot be built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from warmcap.errors import ConfigError
+from warmcap.kernels.cpu.build import KernelBuildError, load_library
+
+Mode = Literal["auto", "torch", "kernel"]
+MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
+
+
+def kernel_mode(field: str, mode: str | None) -> Mode:
+    """``mode``, or when None the default of the kernel config's ``field`` (its environment
+    variable, else ``auto``: ``config.KernelConfig``); ConfigError for anything else."""
+    if mode is None:
+        from warmcap.config import KernelConfig
+
+        mode = getattr(KernelConfig(), field)
+    if mode not in MODES:
+        raise ConfigError(f"{field} {mode!r} is not a CPU kernel mode; use one of {', '.join(MODES)}")
+    return mode  # type: ignore[return-value]
+
+
+def load_by_mode(
+    field: str,
+    mode: str | None,
+    source: str,
+    *,
+    what: str,
+    instead: str,
+    log: logging.Logger,
+    bind: Callable[[ctypes.CDLL], object] | None = None,
+) -> ctypes.CDLL | None:
+    """The library built from ``source`` as the kernel config's ``field`` (set to ``mode``; None:
+    its default) allows: None in ``torch`` mode, or in ``auto`` mode when it cannot be built (then a warning on ``log`` naming ``what`` is unavailable and
+    ``instead`` runs, or an INFO line when the failure is an earlier process's, recorded in the
+    cache); ``kernel`` mode raises :class:`ConfigError` instead. ``bind(lib)`` runs on the loaded
+    library first, and may refuse it with a :class:`KernelBuildError` of its own."""
+    mode = kernel_mode(field, mode)
+    if mode == "torch":
+        return None
+    try:
+        lib = load_library(source)
+        if bind is not None:
+            bind(lib)
+        return lib
+    except KernelBuildError as exc:
+        if mode == "kernel":
+            raise ConfigError(f"{field} 'kernel' but {what} cannot be built: {exc}") from exc
+        level = logging.INFO if exc.recorded else logging.WARNING
+        flag = "--" + field.replace("_", "-")
+        log.log(level, "%s is unavailable, using %s (set %s torch to silence): %s", what, instead, flag, exc)
+        return None
+
+
+def kernel_can_take(*tensors: torch.Tensor) -> bool:
+    """Whether a compiled kernel's operator (``torch.ops.warmcap``) may be handed these tensors:
+    float32 on CPU, with no gradient to record (the operators have no backward; autograd keeps
+    torch's ops). Fake tensors and torch.compile's tracing are fine: they run the operator's fake
+    implementation."""
+    grad = torch.is_grad_enabled()
+    for x in tensors:
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            return False
+        if grad and x.requires_grad:
+            return False
+    return True
