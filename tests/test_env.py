@@ -80,3 +80,17 @@ def test_the_greedy_head_variable_keeps_its_old_spellings(monkeypatch: pytest.Mo
     assert KernelConfig().exact_greedy_head == "off"
     monkeypatch.setenv("WARMCAP_EXACT_GREEDY_HEAD", "1")
     assert KernelConfig().exact_greedy_head == "on"
+
+
+def test_a_bad_variable_is_one_line_and_exit_2_from_every_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused when the command builds its config (the value, where it came from, the choices),
+    never a traceback at import."""
+    from typer.testing import CliRunner
+
+    from warmcap.cli import app
+
+    monkeypatch.setenv("WARMCAP_CPU_GEMM", "bogus")
+    res = CliRunner().invoke(app, ["plan", "--model", "tiny-llama"])
+    assert res.exit_code == 2, res.output
+    assert "cpu_gemm 'bogus' (from $WARMCAP_CPU_GEMM) is not one of auto, torch, kernel" in res.output
+    assert "Traceback" not in res.output

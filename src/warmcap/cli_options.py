@@ -196,8 +196,13 @@ Verbose = Annotated[
 
 def option_default(name: str, defaults: CommandDefaults) -> Any:
     """A command's default for the engine option ``name``: its group's sizing default, else the
-    config's own (so the command line and ``LLM()`` start from the same values)."""
+    config's own (so the command line and ``LLM()`` start from the same values). Read from the
+    config classes' field defaults, never by building a config: a bad environment variable is
+    refused when the command runs (one line, exit 2), not when the CLI is imported."""
+    from dataclasses import MISSING, fields
+
     from warmcap.config import EngineConfig
+    from warmcap.engine_args import CONFIG_PARTS
 
     if hasattr(defaults, name):
         return getattr(defaults, name)
@@ -205,8 +210,14 @@ def option_default(name: str, defaults: CommandDefaults) -> Any:
     if arg.part == "kernel":
         return None  # unset: the config's default, its environment variable (warmcap/env.py)
     if arg.part is None:
-        return {"kv_transfer": None, "speculative": "none"}.get(arg.attr, getattr(EngineConfig(), arg.attr))
-    return getattr(getattr(EngineConfig(), arg.part), arg.attr)
+        special = {"kv_transfer": None, "speculative": "none"}
+        if arg.attr in special:
+            return special[arg.attr]
+        cls = EngineConfig
+    else:
+        cls = CONFIG_PARTS[arg.part]
+    (field_,) = [f for f in fields(cls) if f.name == arg.attr]
+    return field_.default_factory() if field_.default is MISSING else field_.default  # type: ignore[misc]
 
 
 def engine_options(defaults: CommandDefaults) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

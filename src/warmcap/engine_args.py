@@ -303,7 +303,12 @@ ARGS_BY_NAME: dict[str, EngineArg] = {a.name: a for a in ENGINE_ARGS}
 _ALIASES: dict[str, EngineArg] = {a.alias: a for a in ENGINE_ARGS if a.alias}
 #: every keyword :func:`build_config` (and so ``LLM``) takes besides the model
 ENGINE_KWARGS: tuple[str, ...] = (*ARGS_BY_NAME, *_ALIASES)
-_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "kernel": KernelConfig}
+CONFIG_PARTS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "kernel": KernelConfig,
+}
 
 
 def build_config(model: str, **kwargs: Any) -> EngineConfig:
@@ -338,7 +343,7 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
         if arg.part is not None:
             parts[arg.part][arg.attr] = value
             spelled[arg.attr] = name
-    built = {part: _build_part(cls, parts[part], spelled) for part, cls in _PARTS.items()}
+    built = {part: _build_part(cls, parts[part], spelled) for part, cls in CONFIG_PARTS.items()}
 
     def top(name: str, default: Any) -> Any:
         return given.get(name, (name, default))[1]
