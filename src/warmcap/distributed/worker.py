@@ -30,7 +30,7 @@ from warmcap.distributed.rendezvous import Rendezvous, join_group, leave_group
 from warmcap.distributed.tp_runner import TPModelRunner
 from warmcap.drafters import build_drafter
 from warmcap.kv_sizing import free_memory_bytes
-from warmcap.runner_v2.model_runner import TORCH_DTYPES
+from warmcap.models.dtypes import TORCH_DTYPES
 from warmcap.startup_hooks import StartupContext, hook_name
 
 
