@@ -237,9 +237,10 @@ class DecoderForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         stacked_rows: dict[str, set[int]] = {}
+        target_of = self.weight_target
         with torch.no_grad():
             for name, tensor in weights:
-                where = self.weight_target(name)
+                where = target_of(name)
                 if where is None:
                     continue
                 target, row = where

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from warmcap.errors import ModelLoadError
-from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
+from warmcap.models.decoder import (
+    IGNORED_WEIGHT_SUFFIXES,
+    DecoderForCausalLM,
+    DecoderModel,
+    PreNormDecoderLayer,
+)
 from warmcap.models.layers import GatedMLP
 from warmcap.models.mla import MLAAttention
 from warmcap.models.moe import DeepseekMoE, stacked_expert_target
@@ -72,13 +77,12 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         """One-to-one names, except MTP layers (past the decoder layers: the mtp drafter reads them,
         :func:`mtp_layer_state`), which are skipped, and per-expert tensors, which go to a row of
         their stacked expert parameter."""
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            return None
         layer = _LAYER_INDEX.match(name)
-        if layer is not None and int(layer[1]) >= len(self.model.layers):
+        if layer is not None and int(layer[1]) >= self.hf_config.num_hidden_layers:
             return None
-        where = super().weight_target(name)
-        if where is None:
-            return None
-        return stacked_expert_target(name) or where
+        return stacked_expert_target(name) or (name, None)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
