@@ -37,13 +37,14 @@ from warmcap.kv_transfer.factory import build_kv_connector
 from warmcap.kv_transfer.params import check_transfer_params
 from warmcap.metrics import SpecDecodeMetrics
 from warmcap.models.decoder import check_tensor_parallel
+from warmcap.models.dtypes import TORCH_DTYPES
 from warmcap.models.presets import resolve_model_path
 from warmcap.models.registry import model_class
 from warmcap.output_processor import TrackedRequest, apply_stop_strings, gather_samples, token_logprobs
 from warmcap.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from warmcap.progress import progress_bar
 from warmcap.prompts import PromptType, check_token_ids, encode_text, split_prompt
-from warmcap.runner_v2.model_runner import TORCH_DTYPES, ModelRunner
+from warmcap.runner_v2.model_runner import ModelRunner
 from warmcap.runner_v2.step_result import StepResult
 from warmcap.sampling_params import SamplingParams
 from warmcap.startup_hooks import (

@@ -50,9 +50,9 @@ def build_kv_groups(model: Any, config: EngineConfig, drafter: Any = None) -> li
 
 def meta_model(model_path: Path, config: EngineConfig) -> tuple[Any, Any]:
     """(model on the meta device, HF config): layer specs without loading a single weight."""
+    from warmcap.models.dtypes import TORCH_DTYPES
     from warmcap.models.loader import load_hf_config
     from warmcap.models.registry import model_class
-    from warmcap.runner_v2.model_runner import TORCH_DTYPES
 
     hf_config = load_hf_config(model_path)
     cls = model_class(hf_config.architectures[0])

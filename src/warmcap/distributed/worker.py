@@ -31,7 +31,7 @@ from warmcap.drafters import build_drafter
 from warmcap.kernels.cpu.build import use_isa
 from warmcap.kernels.cpu.threads import start_threads
 from warmcap.kv_sizing import free_memory_bytes
-from warmcap.runner_v2.model_runner import TORCH_DTYPES
+from warmcap.models.dtypes import TORCH_DTYPES
 from warmcap.startup_hooks import StartupContext, hook_name
 
 

@@ -1,15 +1,19 @@
 """The decoder skeleton the models share: a pre-norm residual layer, the layer loop (with EAGLE-3's
 aux hidden states), HF's ``model`` container (``embed_tokens`` -> ``layers`` -> final norm) and the
-causal-LM shell around it (RoPE, LM head).
+causal-LM shell around it (RoPE, LM head, the checkpoint load with its tied-head rule, the KV specs
+gathered layer by layer).
 
 Checkpoints load by parameter name, so the parts are registered under the names each architecture's
 checkpoint uses (``self_attn``/``mamba``, ``mlp``/``feed_forward``, ``norm``/``final_layernorm`` ...).
+A family adds only what differs: its layers, its mixers' KV specs (:meth:`KVMixer.kv_specs`) and,
+where checkpoint names are not one-to-one, :meth:`DecoderForCausalLM.weight_target`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -23,8 +27,38 @@ from warmcap.models.packed_linear import PackedLinear
 
 if TYPE_CHECKING:
     from warmcap.contracts.forward_context import ForwardContext
+    from warmcap.core.kv_spec import KVSpec
     from warmcap.models.fused_ops import FusedGreedyHead
     from warmcap.models.rope import RotaryEmbedding
+
+#: checkpoint entries that carry no weights of ours (recomputed buffers)
+IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+#: the two names of a tied LM head (``tie_word_embeddings``)
+EMBEDDING_WEIGHT = "model.embed_tokens.weight"
+LM_HEAD_WEIGHT = "lm_head.weight"
+
+
+@dataclass(frozen=True, slots=True)
+class KVSettings:
+    """The engine's KV settings, the same for every layer (``DecoderForCausalLM.kv_layer_specs``):
+    each mixer builds its cache spec(s) from them."""
+
+    block_size: int
+    #: bytes per element of the model's dtype
+    dtype_bytes: int
+    #: Mamba state caching (``none``/``all``/``align``); attention ignores it
+    mamba_cache_mode: str = "none"
+    #: draft tokens k: a Mamba layer keeps 1 + k state slots per request
+    num_speculative_blocks: int = 0
+    max_model_len: int | None = None
+
+
+class KVMixer(Protocol):
+    """A decoder layer's mixer as :meth:`DecoderForCausalLM.kv_layer_specs` asks it."""
+
+    def kv_specs(self, kv: KVSettings) -> dict[str, KVSpec]:
+        """This mixer's cache spec(s), keyed by the layer name(s) it passes to its backend."""
+        ...
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -152,6 +186,100 @@ class DecoderForCausalLM(nn.Module):
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def kv_layer_specs(
+        self,
+        block_size: int,
+        *,
+        mamba_cache_mode: str = "none",
+        num_speculative_blocks: int = 0,
+        max_model_len: int | None = None,
+    ) -> dict[str, KVSpec]:
+        """Each layer's cache spec(s) in layer order, keyed by the layer name its mixer passes to
+        attention (an MLA layer with an indexer gives two, the indexer its own group).
+
+        The keyword options are the engine's uniform call (``warmcap.kv_layout.layer_specs``); only
+        Mamba layers read them.
+        """
+        kv = KVSettings(
+            block_size,
+            torch.empty((), dtype=self.dtype).element_size(),
+            mamba_cache_mode=mamba_cache_mode,
+            num_speculative_blocks=num_speculative_blocks,
+            max_model_len=max_model_len,
+        )
+        specs: dict[str, KVSpec] = {}
+        for layer in self.model.layers:
+            mixer: KVMixer = layer.mixer
+            specs.update(mixer.kv_specs(kv))
+        return specs
+
+    def weight_target(self, name: str) -> tuple[str, int | None] | None:
+        """Where checkpoint tensor ``name`` goes: (parameter name, row of a stacked parameter or
+        None for the whole parameter), or None when this model keeps no such weight.
+
+        Names are one-to-one here; a family whose checkpoint splits a parameter (DeepSeek's
+        per-expert tensors) or stores extra layers overrides this.
+        """
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            return None
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, assign: bool = False) -> None:
+        """Copy HF-named tensors into the parameters (through :meth:`weight_target`); every parameter,
+        and every row of a stacked one, must be given (the LM head or the embedding may be absent
+        when tied). Raises ModelLoadError naming the weight.
+
+        ``assign``: adopt each whole tensor (cast to the parameter's dtype and device) as the
+        parameter's storage instead of copying it; for callers that hand over tensors nobody else
+        holds. Rows of stacked parameters are always copied.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        stacked_rows: dict[str, set[int]] = {}
+        target_of = self.weight_target
+        with torch.no_grad():
+            for name, tensor in weights:
+                where = target_of(name)
+                if where is None:
+                    continue
+                target, row = where
+                param = params.get(target)
+                if param is None:
+                    raise ModelLoadError(
+                        f"unexpected weight {name!r}: {type(self).__name__} has no such parameter; "
+                        "check that config.json's architectures matches the checkpoint"
+                    )
+                dest = param if row is None else param[row]
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ModelLoadError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
+                        f"{tuple(dest.shape)}; the checkpoint does not match config.json"
+                    )
+                if row is not None:
+                    dest.copy_(tensor.to(dtype=param.dtype))
+                    stacked_rows.setdefault(target, set()).add(row)
+                    continue
+                if assign:
+                    # NOTE: a tied head is the same Parameter object, so this rebinds both names.
+                    param.data = tensor.to(dtype=param.dtype, device=param.device)
+                else:
+                    param.copy_(tensor.to(dtype=param.dtype))
+                loaded.add(target)
+        loaded.update(t for t, rows in stacked_rows.items() if len(rows) == params[t].shape[0])
+        self._check_complete(set(params), loaded)
+
+    def _check_complete(self, params: set[str], loaded: set[str]) -> None:
+        """ModelLoadError listing the parameters the checkpoint did not give."""
+        if self.tie_word_embeddings:
+            # Tied: the head is the embedding, whichever of the two names the checkpoint stored.
+            if LM_HEAD_WEIGHT in loaded:
+                loaded.add(EMBEDDING_WEIGHT)
+            loaded.add(LM_HEAD_WEIGHT)
+        missing = sorted(params - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint lacks weight(s) {shown}; the checkpoint is incomplete")
 
     def forward(
         self,

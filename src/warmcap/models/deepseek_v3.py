@@ -12,23 +12,25 @@ indexer cache per layer (``model.layers.N.self_attn.indexer``, :class:`IndexerSp
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from warmcap.core.kv_spec import IndexerSpec, KVSpec, MLASpec
 from warmcap.errors import ModelLoadError
-from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
+from warmcap.models.decoder import (
+    IGNORED_WEIGHT_SUFFIXES,
+    DecoderForCausalLM,
+    DecoderModel,
+    PreNormDecoderLayer,
+)
 from warmcap.models.layers import GatedMLP
 from warmcap.models.mla import MLAAttention
 from warmcap.models.moe import DeepseekMoE, stacked_expert_target
 from warmcap.models.rope import RotaryEmbedding
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
 def is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
@@ -71,75 +73,16 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
                 # Routing stays in float32 whatever the activation dtype (ties flip otherwise).
                 module.gate.float()
 
-    def kv_layer_specs(
-        self,
-        block_size: int,
-        *,
-        mamba_cache_mode: str = "none",
-        num_speculative_blocks: int = 0,
-        max_model_len: int | None = None,
-    ) -> dict[str, KVSpec]:
-        """An MLA spec per layer, plus an indexer spec per layer when the model is sparse (V3.2).
-        The keyword options (the engine's uniform call) concern Mamba state only."""
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        cfg = self.hf_config
-        specs: dict[str, KVSpec] = {}
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            specs[attn.layer_name] = MLASpec(
-                block_size, dtype_bytes, kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim
-            )
-            if attn.indexer is not None:
-                specs[attn.indexer.layer_name] = IndexerSpec(
-                    block_size, dtype_bytes, head_size=cfg.index_head_dim
-                )
-        return specs
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; per-expert tensors go into the stacked expert parameters.
-        Every parameter (every expert row) must be given; raises ModelLoadError naming the weight."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        expert_rows: dict[str, set[int]] = {}
-        with torch.no_grad():
-            for name, tensor in weights:
-                layer = _LAYER_INDEX.match(name)
-                if name.endswith(IGNORED_WEIGHT_SUFFIXES) or (
-                    layer is not None and int(layer[1]) >= len(self.model.layers)
-                ):
-                    continue
-                target, row = name, None
-                stacked = stacked_expert_target(name)
-                if stacked is not None:
-                    target, row = stacked
-                param = params.get(target)
-                if param is None:
-                    raise ModelLoadError(
-                        f"unexpected weight {name!r}: {type(self).__name__} has no such parameter; "
-                        "check that config.json's architectures matches the checkpoint"
-                    )
-                dest = param if row is None else param[row]
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(
-                        f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
-                        f"{tuple(dest.shape)}; the checkpoint does not match config.json"
-                    )
-                dest.copy_(tensor.to(dtype=param.dtype))
-                if row is None:
-                    loaded.add(target)
-                else:
-                    expert_rows.setdefault(target, set()).add(row)
-        for target, rows in expert_rows.items():
-            if len(rows) == params[target].shape[0]:
-                loaded.add(target)
-        if self.tie_word_embeddings:
-            if "lm_head.weight" in loaded and "model.embed_tokens.weight" not in loaded:
-                loaded.add("model.embed_tokens.weight")
-            loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-            raise ModelLoadError(f"checkpoint lacks weight(s) {shown}; the checkpoint is incomplete")
+    def weight_target(self, name: str) -> tuple[str, int | None] | None:
+        """One-to-one names, except MTP layers (past the decoder layers: the mtp drafter reads them,
+        :func:`mtp_layer_state`), which are skipped, and per-expert tensors, which go to a row of
+        their stacked expert parameter."""
+        if name.endswith(IGNORED_WEIGHT_SUFFIXES):
+            return None
+        layer = _LAYER_INDEX.match(name)
+        if layer is not None and int(layer[1]) >= self.hf_config.num_hidden_layers:
+            return None
+        return stacked_expert_target(name) or (name, None)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

@@ -4,7 +4,8 @@ Layer i is attention when ``i in attn_layer_indices`` (HF ``layers_block_type``)
 mixer; every layer then has a gated MLP (``feed_forward``). Attention is the Llama path with partial
 RoPE (HF Bamba rotates the first ``partial_rotary_factor`` (0.5) of each head). Mamba layers keep
 their state in a Mamba KV group (layer name ``model.layers.N.mamba``); the cache mode and the
-number of speculative state slots come from the engine, see :meth:`BambaForCausalLM.kv_layer_specs`.
+number of speculative state slots come from the engine, see
+:meth:`~warmcap.models.mamba2.Mamba2Mixer.kv_specs`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import torch
 from torch import nn
 
 from warmcap.contracts.forward_context import ForwardContext
-from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, MambaSpec
 from warmcap.errors import ModelLoadError
 from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from warmcap.models.layers import GatedMLP
-from warmcap.models.llama import ArchTraits, LlamaAttention, LlamaForCausalLM
+from warmcap.models.llama import ArchTraits, LlamaAttention
 from warmcap.models.mamba2 import Mamba2Mixer
 from warmcap.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 
@@ -97,42 +97,3 @@ class BambaForCausalLM(DecoderForCausalLM):
         layers = (BambaDecoderLayer(hf_config, i, i in attention) for i in range(hf_config.num_hidden_layers))
         model = DecoderModel(hf_config, layers, norm_name="final_layernorm")
         super().__init__(hf_config, model, bamba_rotary(hf_config), dtype=dtype)
-
-    def kv_layer_specs(
-        self,
-        block_size: int,
-        *,
-        mamba_cache_mode: str = "none",
-        num_speculative_blocks: int = 0,
-        max_model_len: int | None = None,
-    ) -> dict[str, KVSpec]:
-        """Full-attention specs for attention layers and Mamba specs for mixers.
-
-        ``num_speculative_blocks`` is the number of draft tokens k (1 + k state slots per request).
-        The Mamba block size is ``block_size`` in cache modes ``all``/``align`` (states are kept per
-        block); in mode ``none`` it is ``max_model_len`` when given, so one block spans the whole
-        context and a request holds ``1 + k`` state blocks (the runner's Mamba state handler plans the columns).
-        """
-        mamba_block_size = block_size
-        if mamba_cache_mode == "none" and max_model_len is not None:
-            mamba_block_size = max_model_len
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        specs: dict[str, KVSpec] = {}
-        for layer in self.model.layers:
-            mixer = layer.mixer
-            if layer.is_attention:
-                specs[mixer.layer_name] = FullAttentionSpec(
-                    block_size, dtype_bytes, num_kv_heads=mixer.num_kv_heads, head_size=mixer.head_dim
-                )
-            else:
-                specs[mixer.layer_name] = MambaSpec(
-                    mamba_block_size,
-                    dtype_bytes,
-                    state_shapes=mixer.state_shapes,
-                    cache_mode=mamba_cache_mode,
-                    num_speculative_blocks=num_speculative_blocks,
-                )
-        return specs
-
-    # Same checkpoint contract as the Llama family: plain one-to-one names.
-    load_weights = LlamaForCausalLM.load_weights

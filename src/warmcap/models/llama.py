@@ -7,7 +7,6 @@ sliding-window layers (Mistral ``sliding_window``; Qwen ``layer_types``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -17,8 +16,8 @@ from torch import nn
 from warmcap.contracts.forward_context import ForwardContext
 from warmcap.contracts.parallel import ParallelState, parallel_state, split_evenly
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
-from warmcap.errors import ConfigError, ModelLoadError
-from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
+from warmcap.errors import ConfigError
+from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, KVSettings, PreNormDecoderLayer
 from warmcap.models.layers import GatedMLP, RMSNorm, column_linear, row_linear
 from warmcap.models.packed_linear import packed_group
 from warmcap.models.rope import RotaryEmbedding, apply_rope
@@ -26,9 +25,6 @@ from warmcap.models.rope import RotaryEmbedding, apply_rope
 if TYPE_CHECKING:
     from warmcap.kernels.cpu.layer_ops import LayerOps
     from warmcap.models.fused_ops import FusedOps
-
-#: checkpoint entries that carry no weights of ours (recomputed buffers)
-IGNORED_WEIGHT_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +137,23 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
 
+    def kv_specs(self, kv: KVSettings) -> dict[str, KVSpec]:
+        """This layer's paged KV: full attention, or a sliding window where the layer has one."""
+        spec: KVSpec
+        if self.sliding_window is not None:
+            spec = SlidingWindowSpec(
+                kv.block_size,
+                kv.dtype_bytes,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_dim,
+                sliding_window=self.sliding_window,
+            )
+        else:
+            spec = FullAttentionSpec(
+                kv.block_size, kv.dtype_bytes, num_kv_heads=self.num_kv_heads, head_size=self.head_dim
+            )
+        return {self.layer_name: spec}
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[T, heads * head_dim]`` of ``x``: one packed GEMM when q/k/v were grouped."""
         group = packed_group(self.q_proj, self.k_proj, self.v_proj)
@@ -231,75 +244,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
         layers = (LlamaDecoderLayer(hf_config, i, self.traits) for i in range(hf_config.num_hidden_layers))
         rotary = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
         super().__init__(hf_config, DecoderModel(hf_config, layers), rotary, dtype=dtype)
-
-    def kv_layer_specs(
-        self,
-        block_size: int,
-        *,
-        mamba_cache_mode: str = "none",
-        num_speculative_blocks: int = 0,
-        max_model_len: int | None = None,
-    ) -> dict[str, KVSpec]:
-        """One spec per attention layer, keyed by the layer name the model passes to attention.
-
-        The keyword options are the engine's uniform call (``warmcap.kv_layout.layer_specs``); they
-        only shape Mamba state, which this family has none of.
-        """
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        specs: dict[str, KVSpec] = {}
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            common = {
-                "block_size": block_size,
-                "dtype_bytes": dtype_bytes,
-                "num_kv_heads": attn.num_kv_heads,
-                "head_size": attn.head_dim,
-            }
-            if attn.sliding_window is not None:
-                specs[attn.layer_name] = SlidingWindowSpec(**common, sliding_window=attn.sliding_window)
-            else:
-                specs[attn.layer_name] = FullAttentionSpec(**common)
-        return specs
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, assign: bool = False) -> None:
-        """Copy HF-named tensors into the parameters; every parameter must be given exactly once
-        (the LM head may be absent when tied). Raises ModelLoadError naming the weight.
-
-        ``assign``: adopt each tensor (cast to the parameter's dtype and device) as the parameter's
-        storage instead of copying it; for callers that hand over tensors nobody else holds.
-        """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                if name.endswith(IGNORED_WEIGHT_SUFFIXES):
-                    continue
-                param = params.get(name)
-                if param is None:
-                    raise ModelLoadError(
-                        f"unexpected weight {name!r}: {type(self).__name__} has no such parameter; "
-                        "check that config.json's architectures matches the checkpoint"
-                    )
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ModelLoadError(
-                        f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
-                        f"{tuple(param.shape)}; the checkpoint does not match config.json"
-                    )
-                if assign:
-                    # NOTE: a tied head is the same Parameter object, so this rebinds both names.
-                    param.data = tensor.to(dtype=param.dtype, device=param.device)
-                else:
-                    param.copy_(tensor.to(dtype=param.dtype))
-                loaded.add(name)
-        if self.tie_word_embeddings:
-            # Tied: the head is the embedding, whichever of the two names the checkpoint stored.
-            if "lm_head.weight" in loaded and "model.embed_tokens.weight" not in loaded:
-                loaded.add("model.embed_tokens.weight")
-            loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-            raise ModelLoadError(f"checkpoint lacks weight(s) {shown}; the checkpoint is incomplete")
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -163,6 +163,7 @@ def load_model(
 
     # safe_open's tensors are private copy-on-write maps of the file that only this function holds:
     # a model that can adopt them skips a full copy of the weights (and touching every page twice).
+    # Every built-in family can (DecoderForCausalLM.load_weights); a plugin's class may not.
     adopt = {"assign": True} if "assign" in inspect.signature(model.load_weights).parameters else {}
     try:
         model.load_weights(stream(), **adopt)

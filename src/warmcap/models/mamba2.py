@@ -14,6 +14,8 @@ from torch import nn
 from warmcap.contracts.backends import MambaBackend, MambaWeights
 from warmcap.contracts.forward_context import ForwardContext
 from warmcap.contracts.metadata import MambaMetadata
+from warmcap.core.kv_spec import KVSpec, MambaSpec
+from warmcap.models.decoder import KVSettings
 from warmcap.models.layers import activation
 
 
@@ -71,6 +73,26 @@ class Mamba2Mixer(nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv window, SSM state) shapes of one request's state."""
         return (self.conv_dim, self.d_conv - 1), (self.num_heads, self.head_dim, self.d_state)
+
+    def kv_specs(self, kv: KVSettings) -> dict[str, KVSpec]:
+        """This layer's state slots: ``1 + num_speculative_blocks`` per request (k draft tokens).
+
+        The block size is ``kv.block_size`` in cache modes ``all``/``align`` (a state is kept per
+        block); in mode ``none`` it is ``max_model_len`` when given, so one block spans the whole
+        context and a request holds ``1 + k`` state blocks (the runner's Mamba state handler plans
+        the columns).
+        """
+        block_size = kv.block_size
+        if kv.mamba_cache_mode == "none" and kv.max_model_len is not None:
+            block_size = kv.max_model_len
+        spec = MambaSpec(
+            block_size,
+            kv.dtype_bytes,
+            state_shapes=self.state_shapes,
+            cache_mode=kv.mamba_cache_mode,
+            num_speculative_blocks=kv.num_speculative_blocks,
+        )
+        return {self.layer_name: spec}
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.metadata(self.layer_name)

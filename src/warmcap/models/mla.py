@@ -17,7 +17,9 @@ from torch import nn
 
 from warmcap.contracts.backends import MLABackend, MLAWeights
 from warmcap.contracts.forward_context import ForwardContext
+from warmcap.core.kv_spec import IndexerSpec, KVSpec, MLASpec
 from warmcap.errors import ModelLoadError
+from warmcap.models.decoder import KVSettings
 from warmcap.models.layers import RMSNorm
 from warmcap.models.rope import apply_rope, rope_parameters
 from warmcap.models.sparse_indexer import LightningIndexer
@@ -78,6 +80,19 @@ class MLAAttention(nn.Module):
                     "set q_lora_rank or drop the index_* fields"
                 )
             self.indexer = LightningIndexer(hf_config, f"{self.layer_name}.indexer")
+
+    def kv_specs(self, kv: KVSettings) -> dict[str, KVSpec]:
+        """The paged latent cache, plus the indexer's key cache (its own KV group) when sparse."""
+        specs: dict[str, KVSpec] = {
+            self.layer_name: MLASpec(
+                kv.block_size, kv.dtype_bytes, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.rope_dim
+            )
+        }
+        if self.indexer is not None:
+            specs[self.indexer.layer_name] = IndexerSpec(
+                kv.block_size, kv.dtype_bytes, head_size=self.indexer.head_dim
+            )
+        return specs
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(deinterleave(x) if self.interleave else x, cos, sin)

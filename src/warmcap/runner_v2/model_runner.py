@@ -22,6 +22,7 @@ from warmcap.core.kv_connector import WorkerConnector
 from warmcap.core.kv_spec import KVCacheGroup
 from warmcap.core.outputs import ModelRunnerOutput, SchedulerOutput
 from warmcap.core.reservation import max_blocks_per_request
+from warmcap.models.dtypes import TORCH_DTYPES
 from warmcap.models.greedy_head import enabled as greedy_head_enabled
 from warmcap.runner_v2.attention.context import StepContext
 from warmcap.runner_v2.attention.selector import backend_registry
@@ -43,12 +44,6 @@ from warmcap.runner_v2.step_result import PendingTokens, StepResult, TokenFeed
 if TYPE_CHECKING:
     from warmcap.config import EngineConfig
     from warmcap.models.greedy_head import GreedyHead
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 #: ``(req_ids, num_logits per request, logits [N, V])`` before sampling; for tests and debugging.
 LogitsHook = Callable[[list[str], np.ndarray, torch.Tensor], None]
