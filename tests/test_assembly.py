@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -184,8 +185,8 @@ def test_kv_sizing_counts_the_screened_greedy_head_the_runner_builds(monkeypatch
     cpu = torch.device("cpu")
     counted = resident_bytes(engine.config, cpu, meta)
     assert counted == resident_bytes(engine.config, cpu, engine.model)
-    monkeypatch.setenv("WARMCAP_EXACT_GREEDY_HEAD", "0")
-    assert counted - resident_bytes(engine.config, cpu, meta) == head.nbytes > 0
+    off = replace(engine.config, kernel=replace(engine.config.kernel, exact_greedy_head="off"))
+    assert counted - resident_bytes(off, cpu, meta) == head.nbytes > 0
     engine.shutdown()
 
 

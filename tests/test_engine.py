@@ -14,6 +14,7 @@ from warmcap.errors import ConfigError
 from warmcap.llm import LLM
 from warmcap.models.presets import resolve_model
 from warmcap.sampling_params import SamplingParams
+from warmcap.startup_hooks import hook_name
 
 NEW_TOKENS = 32
 # Lengths around the 16-token block boundary; the longest outgrows tiny-mistral's 24-token window.
@@ -127,7 +128,7 @@ def test_llm_api_text_stream_chat_abort_and_hooks() -> None:
     llm = LLM("tiny-llama", device="cpu", max_model_len=128, num_blocks=64, block_size=16)
     engine = llm.engine
     # start-up runs warmup then graph capture by default, and both leave their results behind
-    assert [h.__name__ for h in engine.startup_hooks] == ["warmup_hook", "graph_capture_hook"]
+    assert [hook_name(h) for h in engine.startup_hooks] == ["warmup", "graph_capture"]
     assert engine.warmup_result.audit.ok and engine.graph_startup is not None
     LLMEngine(engine.config, startup_hooks=[lambda e: calls.append("a"), lambda e: calls.append("b")])
     assert calls == ["a", "b"]

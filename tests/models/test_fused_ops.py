@@ -220,11 +220,11 @@ def test_ops_refuse_what_they_cannot_take(ops):
 
 def test_the_capability_check_gives_no_ops_without_cuda(monkeypatch):
     assert fused_ops_for("cpu") is None
-    monkeypatch.setenv("WARMCAP_FUSED_OPS", "torch")
+    assert fused_ops_for("cuda", "torch") is None
+    monkeypatch.setenv("WARMCAP_FUSED_OPS", "torch")  # the config's default when none is given
     assert fused_ops_for("cuda") is None
-    monkeypatch.setenv("WARMCAP_FUSED_OPS", "fast")
-    with pytest.raises(Exception, match="WARMCAP_FUSED_OPS='fast'"):
-        fused_ops_for("cuda")
+    with pytest.raises(Exception, match="fused_ops 'fast' is not a fused-ops mode"):
+        fused_ops_for("cuda", "fast")
 
 
 def test_custom_ops_have_fake_implementations(ops):

@@ -14,6 +14,7 @@ import openai
 import pytest
 from serve_fixtures import gated, metric, running
 
+from warmcap.config import StartupOptions
 from warmcap.graphs.proof.report import CaptureReport
 from warmcap.llm import LLM, build_config
 from warmcap.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ PROMPTS = ["The capital of France is", "one two three one two three one two", "d
 @pytest.fixture(scope="module")
 def server():
     config = build_config(MODEL, **ENGINE_KW)
-    start, gate = gated(partial(start_engine, config, capture_sizes=[1, 2, 4, 8]))
+    start, gate = gated(partial(start_engine, config, StartupOptions(capture_sizes=(1, 2, 4, 8))))
     with running(build_app(config, ServeOptions(api_key=API_KEY), start=start), API_KEY) as srv:
         srv.before = {
             "health": httpx.get(srv.base_url + "/health"),
