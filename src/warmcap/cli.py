@@ -17,20 +17,19 @@ from warmcap.cli_options import (
     GENERATE,
     SERVE,
     STARTUP,
-    Audit,
-    AuditServing,
     Backend,
     CaptureSizes,
     Html,
     Model,
     Quiet,
     Spec,
-    StartupCache,
     Verbose,
     engine_options,
     startup_options,
+    takes_startup_options,
 )
 from warmcap.cli_options import STARTUP_DEFAULTS as _SD
+from warmcap.config import StartupOptions
 from warmcap.errors import ConfigError, WarmcapError
 
 app = typer.Typer(
@@ -223,13 +222,7 @@ def plan(
     if html:
         _check_out_path(html, "--html")
     # Checked as `warmup run` checks them (one record), though only the page shows the graphs they shape.
-    startup = startup_options(
-        backend=backend,
-        capture_sizes=capture_sizes,
-        audit=_SD.audit,
-        audit_serving=_SD.audit_serving,
-        startup_cache=_SD.startup_cache,
-    )
+    startup = startup_options(backend=backend, capture_sizes=capture_sizes)
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
     if html:
         from warmcap.assembly import resolve_device
@@ -297,6 +290,7 @@ def _refuse_unshardable(model: str, tensor_parallel_size: int) -> None:
 @app.command()
 @_user_errors
 @engine_options(GENERATE)
+@takes_startup_options
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt text.")],
     model: Model = "smollm2-135m",
@@ -308,13 +302,9 @@ def generate(
     chat: Annotated[
         bool, typer.Option("--chat/--no-chat", help="Wrap the prompt in the model's chat template.")
     ] = True,
-    capture_sizes: CaptureSizes = None,
-    backend: Backend = _SD.backend,
-    audit: Audit = _SD.audit,
-    audit_serving: AuditServing = _SD.audit_serving,
-    startup_cache: StartupCache = _SD.startup_cache,
     quiet: Quiet = False,
     verbose: Verbose = False,
+    startup: StartupOptions = _SD,
     **engine: Any,
 ) -> None:
     """Generate text, streamed as it comes; with --spec, acceptance stats follow.
@@ -333,13 +323,6 @@ def generate(
 
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens
-    )
-    startup = startup_options(
-        backend=backend,
-        capture_sizes=capture_sizes,
-        audit=audit,
-        audit_serving=audit_serving,
-        startup_cache=startup_cache,
     )
     speculative = SpeculativeConfig.parse(engine["speculative_config"])
     tokenizer = load_tokenizer(resolve_model_path(model))
@@ -422,11 +405,9 @@ def _spec_stats(llm) -> str | None:
 @app.command()
 @_user_errors
 @engine_options(STARTUP)
+@takes_startup_options
 def run(
     model: Model = "smollm2-135m",
-    capture_sizes: CaptureSizes = None,
-    backend: Backend = _SD.backend,
-    audit: Audit = _SD.audit,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
     ] = False,
@@ -434,11 +415,10 @@ def run(
         str | None, typer.Option("--out", "-o", help="Also write the JSON report to this file.")
     ] = None,
     strict: Annotated[bool, typer.Option(help="Exit non-zero when any graph fails verification.")] = False,
-    audit_serving: AuditServing = _SD.audit_serving,
-    startup_cache: StartupCache = _SD.startup_cache,
     html: Html = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
+    startup: StartupOptions = _SD,
     **engine: Any,
 ) -> None:
     """Full start-up — load, size KV, audited warmup + scrub, graph capture + verify, smoke run — then the report.
@@ -459,13 +439,6 @@ def run(
     for path, flag in ((out, "--out"), (html, "--html")):
         if path:
             _check_out_path(path, flag)
-    startup = startup_options(
-        backend=backend,
-        capture_sizes=capture_sizes,
-        audit=audit,
-        audit_serving=audit_serving,
-        startup_cache=startup_cache,
-    )
     console = Console()
     if not as_json:
         spec = config.speculative.short() if config.speculative else "none"
@@ -595,6 +568,7 @@ def _load_report(path: str):
 @app.command()
 @_user_errors
 @engine_options(SERVE)
+@takes_startup_options
 def serve(
     model: Model = "smollm2-135m",
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -603,11 +577,6 @@ def serve(
         str | None,
         typer.Option(envvar="WARMCAP_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* requests."),
     ] = None,
-    capture_sizes: CaptureSizes = None,
-    backend: Backend = _SD.backend,
-    audit: Audit = _SD.audit,
-    audit_serving: AuditServing = _SD.audit_serving,
-    startup_cache: StartupCache = _SD.startup_cache,
     poison_free_kv: Annotated[
         bool,
         typer.Option(
@@ -625,6 +594,7 @@ def serve(
     ] = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
+    startup: StartupOptions = _SD,
     **engine: Any,
 ) -> None:
     """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
@@ -643,13 +613,6 @@ def serve(
     if engine["enforce_eager"] is None:
         engine["enforce_eager"] = serving_enforce_eager(engine["device"])
     config = engine_config(model, serving_engine_values(engine))
-    startup = startup_options(
-        backend=backend,
-        capture_sizes=capture_sizes,
-        audit=audit,
-        audit_serving=audit_serving,
-        startup_cache=startup_cache,
-    )
     options = ServeOptions(api_key=api_key, startup=startup, poison_free_kv=poison_free_kv)
     # A server logs its start-up phases (INFO; every step with --verbose) instead of drawing them:
     # its stderr is a log, and start-up runs in the app's own thread.

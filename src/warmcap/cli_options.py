@@ -159,7 +159,12 @@ StartupCache = Annotated[
 
 
 def startup_options(
-    *, backend: str | None, capture_sizes: str | None, audit: bool, audit_serving: bool, startup_cache: bool
+    *,
+    backend: str | None,
+    capture_sizes: str | None,
+    audit: bool = STARTUP_DEFAULTS.audit,
+    audit_serving: bool = STARTUP_DEFAULTS.audit_serving,
+    startup_cache: bool = STARTUP_DEFAULTS.startup_cache,
 ) -> StartupOptions:
     """The command's start-up options as one record (``--capture-sizes`` parsed)."""
     from warmcap.graphs.capture.sizes import parse_capture_sizes
@@ -172,6 +177,43 @@ def startup_options(
         audit_serving=audit_serving,
         startup_cache=startup_cache,
     )
+
+
+#: the command-line type of each start-up option (``StartupOptions``' fields), declared once
+STARTUP_OPTION_TYPES: dict[str, Any] = {
+    "backend": Backend,
+    "capture_sizes": CaptureSizes,
+    "audit": Audit,
+    "audit_serving": AuditServing,
+    "startup_cache": StartupCache,
+}
+
+
+def takes_startup_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command every start-up option as a flag, with ``StartupOptions``' defaults, and hand
+    them to it as one record: its keyword-only ``startup`` parameter."""
+    sig = inspect.signature(fn, eval_str=True)
+    params = [p for p in sig.parameters.values() if p.name != "startup"]
+    rest = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    added = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=annotation,
+            # --capture-sizes is text on the command line; unset is the record's None
+            default=None if name == "capture_sizes" else getattr(STARTUP_DEFAULTS, name),
+        )
+        for name, annotation in STARTUP_OPTION_TYPES.items()
+    ]
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        values = {name: kwargs.pop(name) for name in STARTUP_OPTION_TYPES}
+        return fn(*args, startup=startup_options(**values), **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=rest + added + var_kw)  # type: ignore[attr-defined]
+    return wrapper
 
 
 Html = Annotated[
