@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import replace
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import uvicorn
@@ -60,6 +61,20 @@ def serving_model_threads(device: str, requested: int | None) -> int | None:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A log handler writing to whatever ``sys.stderr`` is when a record is emitted: one process
+    may serve several times (tests, an embedding app) with ``sys.stderr`` swapped in between, and a
+    handler that kept the first stream would write into a closed file."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always the current sys.stderr
+
+
 def serve(
     config: EngineConfig, options: ServeOptions, *, host: str, port: int, model_threads: int | None = None
 ) -> StartFailure | None:
@@ -82,7 +97,7 @@ def serve(
     )
     log = logging.getLogger("warmcap.serve")
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)
