@@ -13,6 +13,10 @@ the buffer itself (no copy at all; a numpy op costs a fraction of a torch op's d
 most of a small step's host time), on CUDA a page-locked staging twin, uploaded with one
 non-blocking copy per buffer (a copy from pageable memory would wait for the stream). On CUDA the
 slot mappings are then computed on the device (the Triton kernel); on CPU by numpy over the views.
+
+The block-table rows persist in the buffers between steps: a step whose ``tables_key`` names the
+rows they already hold (same requests in the same order, no block added or freed since) loads no
+table and uploads none; the slot mapping reads the rows in place.
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ class StepBuffers:
         self._seq_lens_cpu = self.seq_lens_cpu.numpy()
         #: the latest upload from the staging (CUDA): the staging is not rewritten before it is done
         self._uploaded: torch.cuda.Event | None = None
+        # What the block-table rows hold: (the step's ``tables_key``, padded rows, the tables' id),
+        # or None. A list, so a shallow copy of these buffers (graph safety's fakes, which share
+        # the host views) shares it: a load through either forgets what the other holds.
+        self._tables_held: list[tuple[object, ...] | None] = [None]
         self.num_tokens = 0
         self.num_reqs = 0
         self.num_tokens_padded = 0
@@ -118,7 +126,8 @@ class StepBuffers:
             block_tables=step.block_tables if step.host_block_tables is None else step.host_block_tables,
             num_tokens_padded=num_tokens_padded,
             num_reqs_padded=num_reqs_padded,
-            max_query_len=step.max_query_len,
+            max_query_len=1 if step.decode else step.max_query_len,
+            tables_key=step.tables_key,
         )
         t, tp = self.num_tokens, self.num_tokens_padded
         n = len(step.logits_indices)
@@ -151,11 +160,14 @@ class StepBuffers:
         num_tokens_padded: int | None = None,
         num_reqs_padded: int | None = None,
         max_query_len: int | None = None,
+        tables_key: object | None = None,
     ) -> None:
         """Load everything but the token ids: rows (``query_start_loc`` [R+1], ``seq_lens`` [R],
         host ``block_tables`` [R, W] per group), ``positions`` [T], padding, and the slot mappings.
         Drafter passes use it directly (their token ids are device tensors). ``max_query_len``: the
-        longest row's tokens when the caller knows it (saves a pass over ``query_start_loc``)."""
+        longest row's tokens when the caller knows it (saves a pass over ``query_start_loc``).
+        ``tables_key``: names ``block_tables``' contents (``StepInputs.tables_key``); when the
+        buffers hold those rows already, padded alike, they are not loaded again."""
         r = len(query_start_loc) - 1
         t = int(query_start_loc[-1])
         tp = t if num_tokens_padded is None else num_tokens_padded
@@ -191,13 +203,20 @@ class StepBuffers:
             max_query_len = int(query_lens.max(initial=0))
         # None: one token a row (a decode step), the slot mapping's cheap case.
         lens = None if t == r and max_query_len <= 1 else query_lens
+        held = self._tables_held
+        key = None if tables_key is None else (tables_key, rp, id(self.block_tables))
+        load_tables = key is None or held[0] != key
+        if load_tables:
+            held[0] = None
         for g, host in self._h_tables.items():
-            rows = block_tables[g]
-            host[:r] = rows.numpy() if isinstance(rows, torch.Tensor) else rows
-            host[r:rp] = 0
+            if load_tables:
+                rows = block_tables[g]
+                host[:r] = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+                host[r:rp] = 0
             if self.staged:
                 table = self.block_tables[g]
-                table[:rp].copy_(self._stage_tables[g][:rp], non_blocking=True)
+                if load_tables:
+                    table[:rp].copy_(self._stage_tables[g][:rp], non_blocking=True)
                 slot_mapping(
                     table[:r],
                     self.query_start_loc[: r + 1],
@@ -207,6 +226,7 @@ class StepBuffers:
                 )
             else:
                 host_slot_mapping(host[:r], lens, pos[:t], self.group_block_sizes[g], self._slots_np[g][:tp])
+        held[0] = key
         self.num_tokens, self.num_reqs = t, r
         self.num_tokens_padded, self.num_reqs_padded = tp, rp
         self.num_logits = 0
