@@ -184,11 +184,13 @@ class StepBuffers:
         self._wait_for_upload()
         pos, qsl, seq = self._h_positions, self._h_qsl, self._h_seq_lens
         pos[:t] = positions
-        pos[t:tp] = 0
         qsl[: r + 1] = query_start_loc
-        qsl[r + 1 : rp + 1] = tp
         seq[:r] = seq_lens
-        seq[r:rp] = 0
+        if tp > t or rp > r:
+            # Padding (graphs only): an eager step has none, and writing nothing still costs.
+            pos[t:tp] = 0
+            qsl[r + 1 : rp + 1] = tp
+            seq[r:rp] = 0
         if self.staged:
             # qsl and seq are the pinned host mirrors themselves: no second host copy.
             self.positions[:tp].copy_(self._stage_positions[:tp], non_blocking=True)
