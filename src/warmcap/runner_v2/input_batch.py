@@ -20,7 +20,7 @@ from warmcap.runner_v2.block_table import BlockTables
 from warmcap.sampling_params import SamplingParams
 
 #: rows from which :meth:`InputBatch.append_sampled` scatters instead of storing row by row
-_SCATTER_MIN_ROWS = 8
+_SCATTER_MIN_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -241,13 +241,24 @@ class InputBatch:
                     self.token_ids[row, start : start + len(tokens)] = tokens
                     self.num_tokens[row] = start + len(tokens)
             return
+        try:
+            # Every row the same number of tokens (a decode step: one each): one [R, k] block.
+            block = np.array(sampled, dtype=np.int64)
+        except ValueError:  # ragged: rows accepted different numbers of drafts
+            block = None
+        if block is not None and block.ndim == 2:
+            k = block.shape[1]
+            if k:
+                start = self.num_tokens[rows]
+                if k == 1:
+                    self.token_ids[rows, start] = block[:, 0]
+                else:
+                    self.token_ids[rows[:, None], start[:, None] + np.arange(k)] = block
+                self.num_tokens[rows] = start + k
+            return
         lens = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
         flat = np.fromiter(chain.from_iterable(sampled), dtype=np.int64, count=int(lens.sum()))
         if len(flat) == 0:
-            return
-        if len(flat) == len(rows) and lens.max() == 1:
-            self.token_ids[rows, self.num_tokens[rows]] = flat
-            self.num_tokens[rows] += 1
             return
         ends = np.cumsum(lens)
         owners = np.repeat(rows, lens)
