@@ -79,8 +79,8 @@ def _fresh_batch() -> tuple[InputBatch, StepBuffers]:
 @given(st.data())
 def test_kept_block_table_rows_equal_a_full_reload(data: st.DataObject) -> None:
     """Steps of a random life (requests joining, decoding across block boundaries, leaving, the
-    scheduler's order changing, other loads and paddings in between): after every load the buffers'
-    table rows and slot mapping are what loading every row afresh gives."""
+    scheduler's order changing, other loads and paddings in between): after every load the buffers
+    (table rows, slot mapping, the layout a decode step keeps) hold what loading afresh gives."""
     batch, buf = _fresh_batch()
     ref = StepBuffers(
         max_num_tokens=24,
@@ -144,7 +144,7 @@ def test_kept_block_table_rows_equal_a_full_reload(data: st.DataObject) -> None:
         rp = data.draw(st.integers(r, 5), label="padded rows")
         pad = {} if rp == r else {"num_reqs_padded": rp, "num_tokens_padded": step.num_tokens + rp - r}
         buf.copy_from(step, **pad)
-        ref.copy_from(replace(step, tables_key=None), **pad)
+        ref.copy_from(replace(step, tables_key=None, decode=False), **pad)
         assert buf.block_tables["full"][:rp].tolist() == ref.block_tables["full"][:rp].tolist()
         expected = [batch.block_tables["full"].row(int(row)) for row in step.rows]
         assert [
@@ -152,6 +152,14 @@ def test_kept_block_table_rows_equal_a_full_reload(data: st.DataObject) -> None:
         ] == expected
         tp = buf.num_tokens_padded
         assert buf.slot_mappings["full"][:tp].tolist() == ref.slot_mappings["full"][:tp].tolist()
+        # The layout a decode step keeps: query offsets (both copies) and sampling indices.
+        assert buf.query_start_loc[: rp + 1].tolist() == ref.query_start_loc[: rp + 1].tolist()
+        assert buf.query_start_loc_cpu[: rp + 1].tolist() == ref.query_start_loc_cpu[: rp + 1].tolist()
+        n = buf.num_logits
+        assert n == ref.num_logits and buf.logits_indices[:n].tolist() == ref.logits_indices[:n].tolist()
+        for name in ("positions", "input_ids"):
+            assert getattr(buf, name)[:tp].tolist() == getattr(ref, name)[:tp].tolist()
+        assert buf.seq_lens[:rp].tolist() == ref.seq_lens[:rp].tolist()
         # Then the tokens join: each sampled one.
         batch.append_sampled(step.rows, [[99] if n else [] for n in step.num_logits.tolist()])
         for req_id, n in out.num_scheduled_tokens.items():
