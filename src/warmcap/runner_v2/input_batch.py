@@ -121,7 +121,7 @@ class InputBatch:
         # (epoch, index serial) -> (host rows per group, the same as tensors, widest row).
         self._tables_key: tuple[int, int] = (-1, -1)
         self._tables: tuple[dict[str, np.ndarray], dict[str, torch.Tensor], int] = ({}, {}, 0)
-        # Per batch size, the layout arrays every decode step of that size shares (read-only).
+        # Per batch size, the layout arrays every decode step of that size shares.
         self._decode_layouts: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         # Rows whose settings may shape the logits (a penalty or min_tokens) and rows returning
         # logprobs: with none in the batch (the common case) a step skips both checks.
@@ -460,7 +460,10 @@ class InputBatch:
 
     def _decode_layout(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(num_scheduled, query_start_loc, logits_indices, num_logits)`` of a decode step of
-        ``r`` requests: built once per size and shared, read-only, by every such step."""
+        ``r`` requests: built once per size and shared by every such step.
+
+        NOTE: shared, so never written (nothing in the runner writes a step's arrays); not flagged
+        read-only because ``torch.from_numpy`` warns on such arrays and callers wrap them."""
         layout = self._decode_layouts.get(r)
         if layout is None:
             layout = (
@@ -469,8 +472,6 @@ class InputBatch:
                 np.arange(r, dtype=np.int64),
                 np.ones(r, dtype=np.int32),
             )
-            for a in layout:
-                a.flags.writeable = False
             self._decode_layouts[r] = layout
         return layout
 
