@@ -536,7 +536,7 @@ class LLMEngine:
         with contextlib.suppress(Exception):
             self.runner.execute_model(SchedulerOutput(finished_req_ids=req_ids))
 
-    def _step_logits(self, sched_out: SchedulerOutput, record: StepResult) -> dict[str, torch.Tensor] | None:
+    def _step_logits(self, sched_out: SchedulerOutput, record: StepResult) -> _LogitsRows | None:
         """Each request's sampling logits rows of an executed step; raises when any is non-finite.
 
         NOTE: a NaN row argmaxes to an arbitrary token, so a broken checkpoint would otherwise
@@ -555,13 +555,7 @@ class LLMEngine:
             finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
             owners = [r for r, n in zip(step.req_ids, counts, strict=True) for _ in range(n)]
             self._non_finite(sorted({owners[i] for i in (~finite).nonzero().flatten().tolist()}))
-        rows: dict[str, torch.Tensor] = {}
-        start = 0
-        for req_id, n in zip(step.req_ids, counts, strict=True):
-            if n:
-                rows[req_id] = logits[start : start + n]
-                start += n
-        return rows
+        return _LogitsRows(step.req_ids, counts, logits)
 
     def _non_finite(self, req_ids: list[str]) -> None:
         raise NonFiniteLogitsError(
@@ -678,3 +672,24 @@ __all__ = [
     "RequestOutput",
     "startup_hooks_for",
 ]
+
+
+class _LogitsRows:
+    """Each request's sampling logits rows of a step, sliced on first use: only requests returning
+    logprobs read theirs, so a step without any slices nothing."""
+
+    __slots__ = ("_counts", "_logits", "_req_ids", "_starts")
+
+    def __init__(self, req_ids: Sequence[str], counts: Sequence[int], logits: torch.Tensor) -> None:
+        self._req_ids, self._counts, self._logits = req_ids, counts, logits
+        self._starts: dict[str, tuple[int, int]] | None = None
+
+    def __getitem__(self, req_id: str) -> torch.Tensor:
+        if self._starts is None:
+            starts, offset = {}, 0
+            for r, n in zip(self._req_ids, self._counts, strict=True):
+                starts[r] = (offset, offset + n)
+                offset += n
+            self._starts = starts
+        start, end = self._starts[req_id]
+        return self._logits[start:end]

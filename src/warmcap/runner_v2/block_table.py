@@ -1,7 +1,10 @@
 """Persistent block tables: one int32 table per KV group, one row per request slot.
 
 Rows live on the host (numpy) so adding, appending and clearing cost no device work; the step
-gathers the scheduled rows in batch order into the runner's static buffers.
+gathers the scheduled rows in batch order into the runner's static buffers. Every change bumps an
+epoch shared by a request's groups: the static buffers keep the rows they were loaded with until
+the epoch or the step's rows change (``runner_v2/step_buffers.py``), so a decode step between two
+block boundaries copies no table at all.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ class BlockTable:
     """Block ids of one KV group: ``table[row, col]`` is the block holding column ``col`` of the
     request in ``row``; ``num_blocks[row]`` counts the columns the request holds."""
 
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, epoch: list[int] | None = None) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
         self.table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        #: bumped by every change (one counter shared by the groups of a :class:`BlockTables`)
+        self._epoch = [0] if epoch is None else epoch
+
+    @property
+    def epoch(self) -> int:
+        """Changes so far: equal epochs mean equal contents."""
+        return self._epoch[0]
 
     def add_row(self, row: int, block_ids: Sequence[int]) -> None:
         """Give ``row`` to a request holding ``block_ids``; only its own columns are written."""
@@ -28,6 +38,7 @@ class BlockTable:
         self._check_width(row, n)
         self.table[row, :n] = block_ids
         self.num_blocks[row] = n
+        self._epoch[0] += 1
 
     def append(self, row: int, new_ids: Sequence[int]) -> None:
         """Append ``new_ids`` after the blocks the row already holds."""
@@ -38,11 +49,13 @@ class BlockTable:
         self._check_width(row, end)
         self.table[row, start:end] = new_ids
         self.num_blocks[row] = end
+        self._epoch[0] += 1
 
     def clear_row(self, row: int) -> None:
         """Forget the row's blocks: zero it (the null block) so no stale id survives a reuse."""
         self.table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
+        self._epoch[0] += 1
 
     def row(self, row: int) -> list[int]:
         """The block ids ``row`` holds, in column order."""
@@ -66,7 +79,15 @@ class BlockTables:
     def __init__(self, group_names: Sequence[str], max_num_reqs: int, max_blocks_per_req: int) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
-        self.tables = {name: BlockTable(max_num_reqs, max_blocks_per_req) for name in group_names}
+        self._epoch = [0]
+        self.tables = {
+            name: BlockTable(max_num_reqs, max_blocks_per_req, self._epoch) for name in group_names
+        }
+
+    @property
+    def epoch(self) -> int:
+        """Changes to any group's table so far (equal epochs: every table as it was)."""
+        return self._epoch[0]
 
     def __getitem__(self, group: str) -> BlockTable:
         return self.tables[group]

@@ -74,6 +74,9 @@ class HostCopy:
         NOTE: on CUDA the results are views of the pinned buffer, valid until the next fetch: turn
         them into Python values (``tolist``) before fetching again.
         """
+        if self.device.type == "cpu":
+            # Host tensors already (``.to("cpu")`` would return each as it is, at a dispatch each).
+            return list(parts)
         if self.device.type != "cuda":
             return [p.to("cpu") for p in parts]
         return self.start(parts).wait()

@@ -20,7 +20,7 @@ from warmcap.runner_v2.block_table import BlockTables
 from warmcap.sampling_params import SamplingParams
 
 #: rows from which :meth:`InputBatch.append_sampled` scatters instead of storing row by row
-_SCATTER_MIN_ROWS = 8
+_SCATTER_MIN_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -47,6 +47,11 @@ class StepInputs:
     #: ``block_tables`` as host arrays (the same memory), when the builder has them: loading the
     #: step buffers writes from these without a tensor round trip
     host_block_tables: dict[str, np.ndarray] | None = None
+    #: names ``block_tables``' contents: two steps with equal keys have equal tables, so the step
+    #: buffers keep the rows they hold (None: unknown, always loaded)
+    tables_key: tuple[int, int, int] | None = None
+    #: every request runs one token and samples it (the steady decode step)
+    decode: bool = False
 
     @property
     def num_reqs(self) -> int:
@@ -107,13 +112,22 @@ class InputBatch:
         #: bumped whenever a row changes hands (a request added or removed): what is worked out per
         #: batch composition (a step's rows, the sampling metadata) is reused until it changes
         self.version = 0
-        # The latest step's index: (version, request ids in step order) -> persistent-batch rows.
+        # The latest step's index: (version, request ids in step order) -> persistent-batch rows;
+        # the serial changes with the rows (it names them in ``StepInputs.tables_key``).
         self._index_key: tuple[int, list[str]] = (-1, [])
         self._index_rows = np.zeros(0, dtype=np.int64)
+        self._index_serial = 0
+        # The latest step's block-table rows, kept while neither the tables nor the rows change:
+        # (epoch, index serial) -> (host rows per group, the same as tensors, widest row).
+        self._tables_key: tuple[int, int] = (-1, -1)
+        self._tables: tuple[dict[str, np.ndarray], dict[str, torch.Tensor], int] = ({}, {}, 0)
+        # Per batch size, the layout arrays every decode step of that size shares.
+        self._decode_layouts: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         # Rows whose settings may shape the logits (a penalty or min_tokens) and rows returning
         # logprobs: with none in the batch (the common case) a step skips both checks.
         self._shaping_rows: set[int] = set()
         self._logprob_rows: set[int] = set()
+        self._prompt_logprob_rows: set[int] = set()
 
     @property
     def num_reqs(self) -> int:
@@ -202,6 +216,7 @@ class InputBatch:
         self.prompt_logprobs[row] = -1
         self._shaping_rows.discard(row)
         self._logprob_rows.discard(row)
+        self._prompt_logprob_rows.discard(row)
         heapq.heappush(self._free_rows, row)
         self.version += 1
         return row
@@ -226,13 +241,24 @@ class InputBatch:
                     self.token_ids[row, start : start + len(tokens)] = tokens
                     self.num_tokens[row] = start + len(tokens)
             return
+        try:
+            # Every row the same number of tokens (a decode step: one each): one [R, k] block.
+            block = np.array(sampled, dtype=np.int64)
+        except ValueError:  # ragged: rows accepted different numbers of drafts
+            block = None
+        if block is not None and block.ndim == 2:
+            k = block.shape[1]
+            if k:
+                start = self.num_tokens[rows]
+                if k == 1:
+                    self.token_ids[rows, start] = block[:, 0]
+                else:
+                    self.token_ids[rows[:, None], start[:, None] + np.arange(k)] = block
+                self.num_tokens[rows] = start + k
+            return
         lens = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
         flat = np.fromiter(chain.from_iterable(sampled), dtype=np.int64, count=int(lens.sum()))
         if len(flat) == 0:
-            return
-        if len(flat) == len(rows) and lens.max() == 1:
-            self.token_ids[rows, self.num_tokens[rows]] = flat
-            self.num_tokens[rows] += 1
             return
         ends = np.cumsum(lens)
         owners = np.repeat(rows, lens)
@@ -270,6 +296,8 @@ class InputBatch:
             self._shaping_rows.add(row)
         if params.logprobs is not None:
             self._logprob_rows.add(row)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprob_rows.add(row)
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator()
@@ -317,6 +345,11 @@ class InputBatch:
         penalized, held = self._shaped(rows, self.num_tokens[rows] - self.num_prompt_tokens[rows])
         return bool((penalized | held).any())
 
+    @property
+    def may_want_prompt_logprobs(self) -> bool:
+        """Whether any row's request asked for prompt logprobs."""
+        return bool(self._prompt_logprob_rows)
+
     def wants_logprobs_in(self, rows: np.ndarray) -> bool:
         """Whether any of ``rows`` returns logprobs (so its step needs the full logits)."""
         return bool(self._logprob_rows) and bool(self.wants_logprobs[rows].any())
@@ -361,25 +394,28 @@ class InputBatch:
             row_of = self.row_of
             rows = np.fromiter((row_of[i] for i in req_ids), dtype=np.int64, count=r)
             self._index_key, self._index_rows = (self.version, req_ids), rows
-        num_scheduled = np.fromiter(sched.values(), dtype=np.int32, count=r)
+            self._index_serial += 1
         computed = self.num_computed[rows]
         spec = sched_out.scheduled_spec_decode_tokens
-        total = int(num_scheduled.sum())
+        # A Python sum: for the few requests of a step it costs less than building an array first.
+        total = sum(sched.values())
+        decode = False
         if total == r and not any(spec.values()):
             # Decode: token i is request i's, at its computed length; it samples when that token
             # is the last known one (always, outside warmup's prompt-chunk steps).
             positions = computed.astype(np.int64)
-            qsl = np.arange(r + 1, dtype=np.int32)
             seq_lens = computed + 1
             input_ids = self.token_ids[rows, positions]
-            num_logits = (seq_lens >= self.num_tokens[rows]).astype(np.int32)
-            logits_indices = (
-                np.arange(r, dtype=np.int64)
-                if num_logits.all()
-                else np.flatnonzero(num_logits).astype(np.int64)
-            )
+            samples = seq_lens >= self.num_tokens[rows]
+            num_scheduled, qsl, logits_indices, num_logits = self._decode_layout(r)
+            if samples.all():
+                decode = True
+            else:
+                num_logits = samples.astype(np.int32)
+                logits_indices = np.flatnonzero(samples).astype(np.int64)
             drafts: list[list[int]] = [[] for _ in range(r)]
         else:
+            num_scheduled = np.fromiter(sched.values(), dtype=np.int32, count=r)
             qsl = np.zeros(r + 1, dtype=np.int32)
             np.cumsum(num_scheduled, out=qsl[1:])
             offsets = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1], num_scheduled)
@@ -392,7 +428,18 @@ class InputBatch:
             num_logits = np.where(samples, 1 + num_drafts, 0).astype(np.int32)
             logits_indices = _ranges_ending_at(qsl[1:], num_logits)
 
-        tables = {g: t.table[rows] for g, t in self.block_tables.tables.items()}
+        tables_key = (self.block_tables.epoch, self._index_serial)
+        if tables_key != self._tables_key:
+            # Gathered again only when a request's blocks or the step's rows changed: the arrays
+            # of an earlier step stay as they were (later steps build new ones, never write them).
+            host = {g: t.table[rows] for g, t in self.block_tables.tables.items()}
+            self._tables = (
+                host,
+                {g: torch.from_numpy(t) for g, t in host.items()},
+                self.block_tables.max_num_blocks(rows),
+            )
+            self._tables_key = tables_key
+        host_tables, tables, max_num_blocks = self._tables
         return StepInputs(
             req_ids=req_ids,
             rows=rows,
@@ -401,13 +448,32 @@ class InputBatch:
             positions=positions,
             input_ids=input_ids,
             seq_lens=seq_lens.astype(np.int32, copy=False),
-            block_tables={g: torch.from_numpy(t) for g, t in tables.items()},
+            block_tables=tables,
             logits_indices=logits_indices,
             num_logits=num_logits,
             draft_token_ids=drafts,
-            max_num_blocks=self.block_tables.max_num_blocks(rows),
-            host_block_tables=tables,
+            max_num_blocks=max_num_blocks,
+            host_block_tables=host_tables,
+            tables_key=(id(self), *tables_key),
+            decode=decode,
         )
+
+    def _decode_layout(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(num_scheduled, query_start_loc, logits_indices, num_logits)`` of a decode step of
+        ``r`` requests: built once per size and shared by every such step.
+
+        NOTE: shared, so never written (nothing in the runner writes a step's arrays); not flagged
+        read-only because ``torch.from_numpy`` warns on such arrays and callers wrap them."""
+        layout = self._decode_layouts.get(r)
+        if layout is None:
+            layout = (
+                np.ones(r, dtype=np.int32),
+                np.arange(r + 1, dtype=np.int32),
+                np.arange(r, dtype=np.int64),
+                np.ones(r, dtype=np.int32),
+            )
+            self._decode_layouts[r] = layout
+        return layout
 
 
 def _ranges_ending_at(ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:

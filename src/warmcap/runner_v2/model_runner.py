@@ -638,6 +638,8 @@ class ModelRunner:
         are the prompt's own positions, never a sampling row, and go through the full LM head.
         """
         b = self.batch
+        if not b.may_want_prompt_logprobs:
+            return {}
         num_top = b.prompt_logprobs[step.rows]
         if not (num_top >= 0).any():
             return {}

@@ -67,7 +67,9 @@ def host_slot_mapping(
         rows = np.arange(num_tokens)
     else:
         rows = np.repeat(np.arange(block_table.shape[0]), query_lens)
-    blocks = block_table[rows, positions // block_size]
-    np.add(blocks * np.int64(block_size), positions % block_size, out=out[:num_tokens])
-    out[num_tokens:] = PAD_SLOT_ID
+    column, offset = np.divmod(positions, block_size)
+    blocks = block_table[rows, column]
+    np.add(blocks * np.int64(block_size), offset, out=out[:num_tokens])
+    if num_tokens < len(out):
+        out[num_tokens:] = PAD_SLOT_ID
     return out

@@ -13,6 +13,12 @@ the buffer itself (no copy at all; a numpy op costs a fraction of a torch op's d
 most of a small step's host time), on CUDA a page-locked staging twin, uploaded with one
 non-blocking copy per buffer (a copy from pageable memory would wait for the stream). On CUDA the
 slot mappings are then computed on the device (the Triton kernel); on CPU by numpy over the views.
+
+The block-table rows persist in the buffers between steps: a step whose ``tables_key`` names the
+rows they already hold (same requests in the same order, no block added or freed since) loads no
+table and uploads none; the slot mapping reads the rows in place. Likewise a decode step of the
+size and padding the buffers last held keeps their query offsets and sampling indices (on CUDA:
+two uploads fewer); what a decode step still loads is its positions, token ids and lengths.
 """
 
 from __future__ import annotations
@@ -94,6 +100,14 @@ class StepBuffers:
         self._seq_lens_cpu = self.seq_lens_cpu.numpy()
         #: the latest upload from the staging (CUDA): the staging is not rewritten before it is done
         self._uploaded: torch.cuda.Event | None = None
+        # What the buffers hold from earlier loads: [block-table rows (the step's ``tables_key``,
+        # padded rows, the tables' id), decode layout (rows, padded rows and tokens, the buffer's
+        # id)], None where unknown. A list, so a shallow copy of these buffers (graph safety's
+        # fakes, which share the host views) shares it: a load through either forgets what the
+        # other holds.
+        self._held: list[tuple[object, ...] | None] = [None, None]
+        #: whether the latest load kept the decode layout (query offsets, sampling indices)
+        self._layout_kept = False
         self.num_tokens = 0
         self.num_reqs = 0
         self.num_tokens_padded = 0
@@ -118,17 +132,24 @@ class StepBuffers:
             block_tables=step.block_tables if step.host_block_tables is None else step.host_block_tables,
             num_tokens_padded=num_tokens_padded,
             num_reqs_padded=num_reqs_padded,
-            max_query_len=step.max_query_len,
+            max_query_len=1 if step.decode else step.max_query_len,
+            tables_key=step.tables_key,
+            decode=step.decode,
         )
         t, tp = self.num_tokens, self.num_tokens_padded
         n = len(step.logits_indices)
         ids, logits = self._h_input_ids, self._h_logits
         ids[:t] = step.input_ids
-        ids[t:tp] = 0
-        logits[:n] = step.logits_indices
+        if tp > t:
+            ids[t:tp] = 0
+        # A kept decode layout: the sampling indices are 0..n-1 already.
+        keep = self._layout_kept
+        if not keep:
+            logits[:n] = step.logits_indices
         if self.staged:
             self.input_ids[:tp].copy_(self._stage_input_ids[:tp], non_blocking=True)
-            self.logits_indices[:n].copy_(self._stage_logits[:n], non_blocking=True)
+            if not keep:
+                self.logits_indices[:n].copy_(self._stage_logits[:n], non_blocking=True)
             self._mark_uploaded()
         feed, self._feed = self._feed, None
         if feed is not None:
@@ -151,11 +172,17 @@ class StepBuffers:
         num_tokens_padded: int | None = None,
         num_reqs_padded: int | None = None,
         max_query_len: int | None = None,
+        tables_key: object | None = None,
+        decode: bool = False,
     ) -> None:
         """Load everything but the token ids: rows (``query_start_loc`` [R+1], ``seq_lens`` [R],
         host ``block_tables`` [R, W] per group), ``positions`` [T], padding, and the slot mappings.
         Drafter passes use it directly (their token ids are device tensors). ``max_query_len``: the
-        longest row's tokens when the caller knows it (saves a pass over ``query_start_loc``)."""
+        longest row's tokens when the caller knows it (saves a pass over ``query_start_loc``).
+        ``tables_key``: names ``block_tables``' contents (``StepInputs.tables_key``); when the
+        buffers hold those rows already, padded alike, they are not loaded again. ``decode``: one
+        token a row, each sampled (``StepInputs.decode``): a layout of the size and padding the
+        buffers hold already is not loaded again."""
         r = len(query_start_loc) - 1
         t = int(query_start_loc[-1])
         tp = t if num_tokens_padded is None else num_tokens_padded
@@ -170,20 +197,30 @@ class StepBuffers:
                 f"padding {t} -> {tp} tokens needs a padded row to own them (num_reqs_padded > {r})"
             )
         self._wait_for_upload()
+        held = self._held
+        layout = (r, rp, tp, id(self.query_start_loc)) if decode else None
+        keep = layout is not None and held[1] == layout
+        held[1] = None
         pos, qsl, seq = self._h_positions, self._h_qsl, self._h_seq_lens
         pos[:t] = positions
-        pos[t:tp] = 0
-        qsl[: r + 1] = query_start_loc
-        qsl[r + 1 : rp + 1] = tp
+        if not keep:
+            qsl[: r + 1] = query_start_loc
         seq[:r] = seq_lens
-        seq[r:rp] = 0
+        if tp > t or rp > r:
+            # Padding (graphs only): an eager step has none, and writing nothing still costs.
+            pos[t:tp] = 0
+            if not keep:
+                qsl[r + 1 : rp + 1] = tp
+            seq[r:rp] = 0
         if self.staged:
             # qsl and seq are the pinned host mirrors themselves: no second host copy.
             self.positions[:tp].copy_(self._stage_positions[:tp], non_blocking=True)
-            self.query_start_loc[: rp + 1].copy_(self.query_start_loc_cpu[: rp + 1], non_blocking=True)
+            if not keep:
+                self.query_start_loc[: rp + 1].copy_(self.query_start_loc_cpu[: rp + 1], non_blocking=True)
             self.seq_lens[:rp].copy_(self.seq_lens_cpu[:rp], non_blocking=True)
         else:
-            self._qsl_cpu[: rp + 1] = qsl[: rp + 1]
+            if not keep:
+                self._qsl_cpu[: rp + 1] = qsl[: rp + 1]
             self._seq_lens_cpu[:rp] = seq[:rp]
         query_lens = None
         if max_query_len is None or max_query_len > 1 or t != r:
@@ -191,13 +228,19 @@ class StepBuffers:
             max_query_len = int(query_lens.max(initial=0))
         # None: one token a row (a decode step), the slot mapping's cheap case.
         lens = None if t == r and max_query_len <= 1 else query_lens
+        key = None if tables_key is None else (tables_key, rp, id(self.block_tables))
+        load_tables = key is None or held[0] != key
+        if load_tables:
+            held[0] = None
         for g, host in self._h_tables.items():
-            rows = block_tables[g]
-            host[:r] = rows.numpy() if isinstance(rows, torch.Tensor) else rows
-            host[r:rp] = 0
+            if load_tables:
+                rows = block_tables[g]
+                host[:r] = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+                host[r:rp] = 0
             if self.staged:
                 table = self.block_tables[g]
-                table[:rp].copy_(self._stage_tables[g][:rp], non_blocking=True)
+                if load_tables:
+                    table[:rp].copy_(self._stage_tables[g][:rp], non_blocking=True)
                 slot_mapping(
                     table[:r],
                     self.query_start_loc[: r + 1],
@@ -207,6 +250,8 @@ class StepBuffers:
                 )
             else:
                 host_slot_mapping(host[:r], lens, pos[:t], self.group_block_sizes[g], self._slots_np[g][:tp])
+        held[0], held[1] = key, layout
+        self._layout_kept = keep
         self.num_tokens, self.num_reqs = t, r
         self.num_tokens_padded, self.num_reqs_padded = tp, rp
         self.num_logits = 0

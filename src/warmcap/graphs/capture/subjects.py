@@ -205,6 +205,9 @@ def make_subjects(runner: ModelRunner) -> dict[str, GraphSubject[Any]]:
 def step_shape(step: StepInputs) -> BatchShape:
     """The dispatch shape of a step. A request is decoding when every token it runs samples (the
     sampled token plus its drafts); a prompt chunk samples at most its last token."""
+    if step.decode:
+        # One token a request, each sampled: the steady decode step, known without array work.
+        return BatchShape(step.num_reqs, step.num_reqs, 1, True, 1)
     all_decode = bool(np.array_equal(step.num_logits, step.num_scheduled))
     lens = step.num_scheduled
     uniform = int(lens[0]) if len(lens) and bool((lens == lens[0]).all()) else None
