@@ -416,13 +416,23 @@ class LLMEngine:
         if self.config.scheduler.async_scheduling:
             return self._step_async()
         sched_out = self._schedule()
+        record = self._launch(sched_out, self.runner.execute_model_result)
+        return self._process(sched_out, record)
+
+    def _launch(
+        self,
+        sched_out: SchedulerOutput,
+        execute: Callable[[SchedulerOutput], StepResult],
+        failing_too: Sequence[SchedulerOutput] = (),
+    ) -> StepResult:
+        """Run ``execute(sched_out)`` audited and pinned; on any error the requests of this step
+        (and of ``failing_too``, the steps that fail with it) are aborted before it propagates."""
         try:
             with self._audited(), self._pinned():
-                record = self.runner.execute_model_result(sched_out)
+                return execute(sched_out)
         except BaseException:
-            self._fail_steps([sched_out])
+            self._fail_steps([*failing_too, sched_out])
             raise
-        return self._process(sched_out, record)
 
     def _schedule(self) -> SchedulerOutput:
         try:
@@ -435,12 +445,9 @@ class LLMEngine:
         """Schedule and launch the next step, then process the one in flight (see :meth:`step`)."""
         previous, self._inflight = self._inflight, None
         sched_out = self._schedule()
-        try:
-            with self._audited(), self._pinned():
-                record = self.runner.execute_model_async(sched_out)
-        except BaseException:
-            self._fail_steps([sched_out] if previous is None else [previous[0], sched_out])
-            raise
+        record = self._launch(
+            sched_out, self.runner.execute_model_async, () if previous is None else (previous[0],)
+        )
         outputs: list[RequestOutput] = []
         if previous is not None:
             try:

@@ -344,8 +344,12 @@ class ModelRunner:
         # From the hidden states of every prompt token, whichever way the step ran (a replayed
         # graph returns them all too); before the drafter, whose passes reuse buffers.
         self.last_prompt_logprobs = self._prompt_logprobs(hidden, step)
-        record = StepResult(step=step, logits=self.last_logits, prompt_logprobs=self.last_prompt_logprobs)
-        record._finish = lambda rec: self._finish_step(rec, sched_out, step, hidden, tokens)
+        record = StepResult(
+            step=step,
+            logits=self.last_logits,
+            prompt_logprobs=self.last_prompt_logprobs,
+            _finish=lambda rec: self._finish_step(rec, sched_out, step, hidden, tokens),
+        )
         if isinstance(tokens, PendingTokens):
             if tokens.device_tokens is not None:
                 # One token a sampling row, still on the device: the next step may take it there.
