@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -356,11 +357,6 @@ TP_COMM_MODES: tuple[str, ...] = ("auto", "shm", "gloo")
 _GREEDY_HEAD_ALIASES = {"1": "on", "0": "off"}
 
 
-def _from_env(name: str) -> str:
-    value = env.read(name).lower()
-    return _GREEDY_HEAD_ALIASES.get(value, value) if name == "WARMCAP_EXACT_GREEDY_HEAD" else value
-
-
 #: each field of :class:`KernelConfig`: its values and the environment variable that defaults it
 KERNEL_CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "cpu_gemm": (CPU_KERNEL_MODES, "WARMCAP_CPU_GEMM"),
@@ -373,6 +369,21 @@ KERNEL_CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+def kernel_default(name: str) -> str:
+    """The default of :class:`KernelConfig`'s field ``name``: its environment variable, else the
+    first of its values; ConfigError naming the variable when it holds anything else. Code handed
+    no config reads one setting through here, never by building a whole :class:`KernelConfig`."""
+    allowed, variable = KERNEL_CHOICES[name]
+    value = env.read(variable).lower()
+    if name == "exact_greedy_head":
+        value = _GREEDY_HEAD_ALIASES.get(value, value)
+    if value not in allowed:
+        raise ConfigError(
+            f"{name} {value!r}{env.source(variable)} is not one of {', '.join(allowed)}: pick one"
+        )
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
     """Which kernels a forward runs: every switch that can change a result without changing the
@@ -382,31 +393,30 @@ class KernelConfig:
     never reused for kernels it was not checked with."""
 
     #: the compiled CPU GEMM (``kernels/cpu/gemm.c``) for packed linears, else oneDNN's
-    cpu_gemm: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_GEMM"))
+    cpu_gemm: str = field(default_factory=partial(kernel_default, "cpu_gemm"))
     #: the compiled CPU layer ops (RMSNorm, SiLU-mul, RoPE), else torch's
-    cpu_layer_ops: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_LAYER_OPS"))
+    cpu_layer_ops: str = field(default_factory=partial(kernel_default, "cpu_layer_ops"))
     #: the compiled CPU paged attention, else gather + SDPA
-    cpu_attention: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_ATTENTION"))
+    cpu_attention: str = field(default_factory=partial(kernel_default, "cpu_attention"))
     #: the instruction set the CPU kernels are compiled for (one per process: the first engine's)
-    cpu_isa: str = field(default_factory=lambda: _from_env("WARMCAP_CPU_ISA"))
+    cpu_isa: str = field(default_factory=partial(kernel_default, "cpu_isa"))
     #: the screened exact greedy head on CPU (``models/greedy_head.py``): on, off (full logits every
     #: step) or portable (float32-held screen, no oneDNN bf16)
-    exact_greedy_head: str = field(default_factory=lambda: _from_env("WARMCAP_EXACT_GREEDY_HEAD"))
+    exact_greedy_head: str = field(default_factory=partial(kernel_default, "exact_greedy_head"))
     #: the fused Triton layer ops on CUDA (``models/fused_ops.py``): auto or torch
-    fused_ops: str = field(default_factory=lambda: _from_env("WARMCAP_FUSED_OPS"))
+    fused_ops: str = field(default_factory=partial(kernel_default, "fused_ops"))
     #: collectives between the tensor-parallel ranks of one machine: auto (shared memory on CPU),
     #: shm or gloo (``distributed/shm_comm.py``); a sum's order, so its rounding, depends on it
-    tp_comm: str = field(default_factory=lambda: _from_env("WARMCAP_TP_COMM"))
+    tp_comm: str = field(default_factory=partial(kernel_default, "tp_comm"))
 
     def __post_init__(self) -> None:
-        for name, (allowed, variable) in KERNEL_CHOICES.items():
+        for name, (allowed, _) in KERNEL_CHOICES.items():
             value = getattr(self, name)
             if isinstance(value, str) and name == "exact_greedy_head":
                 value = _GREEDY_HEAD_ALIASES.get(value, value)
                 object.__setattr__(self, name, value)
             if value not in allowed:
-                origin = env.source(variable) if value == _from_env(variable) else ""
-                raise ConfigError(f"{name} {value!r}{origin} is not one of {', '.join(allowed)}: pick one")
+                raise ConfigError(f"{name} {value!r} is not one of {', '.join(allowed)}: pick one")
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,16 +537,6 @@ class EngineConfig:
         )
 
 
-#: the start-up options a caller may name, with what each does (``StartupOptions``' fields)
-STARTUP_OPTION_NAMES: tuple[str, ...] = (
-    "backend",
-    "capture_sizes",
-    "audit",
-    "audit_serving",
-    "startup_cache",
-)
-
-
 @dataclass(frozen=True, slots=True)
 class StartupOptions:
     """How start-up proves an engine before its first request: one record with one set of defaults,
@@ -589,3 +589,7 @@ class StartupOptions:
             f"pass start-up options either as startup=StartupOptions(...) or by name, not both (got {sorted(options)})",
         )
         return startup
+
+
+#: the start-up options a caller may name (``LLM(audit=False)``): ``StartupOptions``' fields
+STARTUP_OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(StartupOptions))

@@ -15,14 +15,10 @@ from typing import Any
 
 from warmcap.config import (
     ATTENTION_BACKENDS,
-    CPU_ISAS,
-    CPU_KERNEL_MODES,
     DTYPES,
-    FUSED_OPS_MODES,
-    GREEDY_HEAD_MODES,
+    KERNEL_CHOICES,
     KV_ROLES,
     MAMBA_CACHE_MODES,
-    TP_COMM_MODES,
     CacheConfig,
     EngineConfig,
     KernelConfig,
@@ -83,7 +79,9 @@ def parse_max_model_len(text: str) -> int | str:
         ) from None
 
 
-def _kernel_help(what: str, choices: tuple[str, ...], variable: str) -> str:
+def _kernel_help(what: str, name: str) -> str:
+    """The help of the kernel setting ``name``: its values and the variable that defaults it."""
+    choices, variable = KERNEL_CHOICES[name]
     return f"{what}: {', '.join(choices)} (default: ${variable}, else {choices[0]})."
 
 
@@ -210,7 +208,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "cpu_gemm",
         "kernel",
         "cpu_gemm",
-        _kernel_help("Compiled CPU GEMM for linear layers", CPU_KERNEL_MODES, "WARMCAP_CPU_GEMM")
+        _kernel_help("Compiled CPU GEMM for linear layers", "cpu_gemm")
         + " torch: oneDNN's; kernel: fail start-up when it cannot be built.",
         str | None,
     ),
@@ -218,52 +216,42 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "cpu_layer_ops",
         "kernel",
         "cpu_layer_ops",
-        _kernel_help(
-            "Compiled CPU layer ops (RMSNorm, SiLU-mul, RoPE)", CPU_KERNEL_MODES, "WARMCAP_CPU_LAYER_OPS"
-        ),
+        _kernel_help("Compiled CPU layer ops (RMSNorm, SiLU-mul, RoPE)", "cpu_layer_ops"),
         str | None,
     ),
     EngineArg(
         "cpu_attention",
         "kernel",
         "cpu_attention",
-        _kernel_help("Compiled CPU paged attention", CPU_KERNEL_MODES, "WARMCAP_CPU_ATTENTION")
-        + " torch: gather + SDPA.",
+        _kernel_help("Compiled CPU paged attention", "cpu_attention") + " torch: gather + SDPA.",
         str | None,
     ),
     EngineArg(
         "cpu_isa",
         "kernel",
         "cpu_isa",
-        _kernel_help("Instruction set the CPU kernels are compiled for", CPU_ISAS, "WARMCAP_CPU_ISA")
-        + " One per process.",
+        _kernel_help("Instruction set the CPU kernels are compiled for", "cpu_isa") + " One per process.",
         str | None,
     ),
     EngineArg(
         "exact_greedy_head",
         "kernel",
         "exact_greedy_head",
-        _kernel_help(
-            "Screened exact greedy head on CPU (off: full logits every step)",
-            GREEDY_HEAD_MODES,
-            "WARMCAP_EXACT_GREEDY_HEAD",
-        ),
+        _kernel_help("Screened exact greedy head on CPU (off: full logits every step)", "exact_greedy_head"),
         str | None,
     ),
     EngineArg(
         "fused_ops",
         "kernel",
         "fused_ops",
-        _kernel_help("Fused Triton layer ops on CUDA", FUSED_OPS_MODES, "WARMCAP_FUSED_OPS"),
+        _kernel_help("Fused Triton layer ops on CUDA", "fused_ops"),
         str | None,
     ),
     EngineArg(
         "tp_comm",
         "kernel",
         "tp_comm",
-        _kernel_help(
-            "Collectives of the tensor-parallel ranks of one machine", TP_COMM_MODES, "WARMCAP_TP_COMM"
-        )
+        _kernel_help("Collectives of the tensor-parallel ranks of one machine", "tp_comm")
         + " auto: shared memory on CPU, NCCL on CUDA.",
         str | None,
     ),
@@ -334,7 +322,8 @@ def build_config(model: str, **kwargs: Any) -> EngineConfig:
         given["dtype"] = ("dtype", auto_dtype(model, device))
     if given.get("max_model_len", (None, None))[1] == AUTO:
         given["max_model_len"] = (given["max_model_len"][0], None)
-    parts: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}, "kernel": {}}
+    parts: dict[str, dict[str, Any]] = {part: {} for part in CONFIG_PARTS}
+    parts["model"]["model"] = model
     spelled: dict[str, str] = {}
     for canonical, (name, value) in given.items():
         arg = ARGS_BY_NAME[canonical]

@@ -178,11 +178,6 @@ def set_default(name: str, value: str) -> None:
     os.environ.setdefault(name, value)
 
 
-def environ() -> dict[str, str]:
-    """A copy of the whole environment, for starting a child process."""
-    return dict(os.environ)
-
-
 def source(name: str) -> str:
     """How an error names where a value came from: ``$NAME`` when it is set, else empty."""
     return f" (from ${name})" if is_set(name) else ""

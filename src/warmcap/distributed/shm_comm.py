@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from warmcap.config import TP_COMM_MODES, kernel_default
 from warmcap.distributed.shm_ring import ShmRing
 from warmcap.distributed.shm_segment import SEQ, SHM_DIR, Layout, Segment, host_key
 from warmcap.errors import ConfigError
@@ -31,17 +32,14 @@ logger = logging.getLogger("warmcap.distributed")
 
 #: environment switch for the transport of the ranks of one machine: auto, shm or gloo
 ENV = "WARMCAP_TP_COMM"
-_MODES = ("auto", "shm", "gloo")
 
 
 def comm_mode(mode: str | None = None) -> str:
     """The config's ``kernel.tp_comm`` (``mode``; None: its default, ``$WARMCAP_TP_COMM``, else
     ``auto``); ConfigError for another value."""
     if mode is None:
-        from warmcap.config import KernelConfig
-
-        mode = KernelConfig().tp_comm
-    if mode not in _MODES:
+        mode = kernel_default("tp_comm")
+    if mode not in TP_COMM_MODES:
         raise ConfigError(f"tp_comm {mode!r} is not a tensor-parallel transport; use auto, shm or gloo")
     return mode
 

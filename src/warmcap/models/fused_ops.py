@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmcap.config import FUSED_OPS_MODES, kernel_default
 from warmcap.errors import ConfigError
 
 #: environment switch: ``auto`` (default: the fused ops on CUDA when Triton imports) or ``torch``
@@ -45,10 +46,8 @@ _MAX_NORM_WIDTH = 16384
 
 def _mode(mode: str | None) -> str:
     if mode is None:
-        from warmcap.config import KernelConfig
-
-        mode = KernelConfig().fused_ops
-    if mode not in ("auto", "torch"):
+        mode = kernel_default("fused_ops")
+    if mode not in FUSED_OPS_MODES:
         raise ConfigError(f"fused_ops {mode!r} is not a fused-ops mode; use auto or torch")
     return mode
 

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmcap.config import kernel_default
 from warmcap.kernels.cpu.gemm import BlockedWeight
 from warmcap.kernels.cpu.layer_ops import LayerOps
 from warmcap.models.packed_linear import PackedLinear, can_prepack
@@ -101,9 +102,7 @@ def can_screen() -> bool:
 def _setting(setting: str | None) -> str:
     """The config's ``kernel.exact_greedy_head`` (None: its default, ``WARMCAP_EXACT_GREEDY_HEAD``)."""
     if setting is None:
-        from warmcap.config import KernelConfig
-
-        return KernelConfig().exact_greedy_head
+        return kernel_default("exact_greedy_head")
     return setting
 
 

@@ -16,22 +16,22 @@ from typing import Literal
 
 import torch
 
+from warmcap.config import CPU_KERNEL_MODES, kernel_default
 from warmcap.errors import ConfigError
 from warmcap.kernels.cpu.build import KernelBuildError, load_library
 
 Mode = Literal["auto", "torch", "kernel"]
-MODES: tuple[Mode, ...] = ("auto", "torch", "kernel")
 
 
 def kernel_mode(field: str, mode: str | None) -> Mode:
     """``mode``, or when None the default of the kernel config's ``field`` (its environment
     variable, else ``auto``: ``config.KernelConfig``); ConfigError for anything else."""
     if mode is None:
-        from warmcap.config import KernelConfig
-
-        mode = getattr(KernelConfig(), field)
-    if mode not in MODES:
-        raise ConfigError(f"{field} {mode!r} is not a CPU kernel mode; use one of {', '.join(MODES)}")
+        mode = kernel_default(field)
+    if mode not in CPU_KERNEL_MODES:
+        raise ConfigError(
+            f"{field} {mode!r} is not a CPU kernel mode; use one of {', '.join(CPU_KERNEL_MODES)}"
+        )
     return mode  # type: ignore[return-value]
 
 
