@@ -62,6 +62,23 @@ def test_tp2_greedy_and_logits_match_tp1(name, kv_heads_per_rank, model_dirs):
     _assert_ranks_hold_their_slices(model_dirs[name], ranks)
 
 
+@pytest.mark.slow
+def test_tp2_shards_run_the_packed_kernels_and_match_tp1():
+    """A rank's column- and row-parallel linears and its vocabulary slice of the LM head are packed
+    as an unsharded model's are (the compiled GEMM where it builds, with the q/k/v and gate/up
+    groups), so TP=2 runs the same kernels as TP=1; its tokens and logits equal TP=1's packed run."""
+    model_dir = str(resolve_model("tiny-llama"))
+    reference = greedy_logits(model_dir, PROMPTS, STEPS, packed=True)
+    ranks = run_on_ranks(greedy_on_rank, rendezvous_for(2), model_dir, PROMPTS, STEPS, True, timeout_s=120)
+    if not reference["packed_classes"]:
+        pytest.fail("the loader packed no linear of the unsharded model (no oneDNN in this torch build?)")
+    assert reference["packed_classes"] == ["Linear"]
+    for rank, out in enumerate(ranks):
+        assert out["packed_classes"] == ["ColumnParallelLinear", "ParallelLMHead", "RowParallelLinear"], rank
+        assert out["tokens"] == reference["tokens"], f"rank {rank} generated other tokens than TP=1"
+        torch.testing.assert_close(out["logits"], reference["logits"], atol=1e-4, rtol=0)
+
+
 def _assert_ranks_hold_their_slices(model_dir: Path, ranks: list[dict]) -> None:
     """Concatenating the ranks' shards along the split dimension rebuilds the checkpoint tensor
     (replicated tensors and replicated KV heads: every rank holds the full one)."""

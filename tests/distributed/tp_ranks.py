@@ -18,16 +18,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from paged_harness import PagedHarness
 
 from warmcap.models.loader import load_model
-from warmcap.models.packed_linear import unpack_linears
+from warmcap.models.packed_linear import PackedLinear, unpack_linears
 
 
-def greedy_logits(model_dir: str, prompts: list[list[int]], steps: int) -> dict[str, object]:
+def greedy_logits(
+    model_dir: str, prompts: list[list[int]], steps: int, *, packed: bool = False
+) -> dict[str, object]:
     """Prefill ``prompts`` in one batch, then ``steps`` batched greedy decode steps over the paged
-    KV cache; the tokens, every step's last-position logits and this process's KV head count."""
+    KV cache; the tokens, every step's last-position logits and this process's KV head count.
+    ``packed``: keep the linears as the loader packed them (the engine's kernels; ``packed_classes``
+    says which classes were packed) instead of plain GEMMs."""
     model = load_model(model_dir)
-    # Plain GEMMs as the shards run them: this compares the sharding, not oneDNN's packed kernel
-    # (which the loader gives an unsharded CPU model) against MKL's rounding.
-    unpack_linears(model)
+    packed_classes = sorted(
+        {m.unpacked_class.__name__ for m in model.modules() if type(m) is PackedLinear}
+    )
+    if not packed:
+        # Plain GEMMs on both sides: this compares the sharding alone, not a packed kernel's
+        # summation order against MKL's.
+        unpack_linears(model)
     specs = model.kv_layer_specs(16)
     harness = PagedHarness(model, specs)
     ids = [f"r{i}" for i in range(len(prompts))]
@@ -46,12 +54,15 @@ def greedy_logits(model_dir: str, prompts: list[list[int]], steps: int) -> dict[
         "tokens": tokens,
         "logits": torch.stack(history),
         "kv_heads": sorted({s.num_kv_heads for s in specs.values()}),
+        "packed_classes": packed_classes if packed else [],
         "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
     }
 
 
-def greedy_on_rank(rank: int, model_dir: str, prompts: list[list[int]], steps: int) -> dict[str, object]:
-    return greedy_logits(model_dir, prompts, steps)
+def greedy_on_rank(
+    rank: int, model_dir: str, prompts: list[list[int]], steps: int, packed: bool = False
+) -> dict[str, object]:
+    return greedy_logits(model_dir, prompts, steps, packed=packed)
 
 
 def raise_on_rank(rank: int, bad_rank: int) -> int:

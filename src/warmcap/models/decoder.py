@@ -339,7 +339,7 @@ class DecoderForCausalLM(nn.Module):
             or torch.device(device).type != "cpu"
             or not greedy_head_enabled(setting)
             or not self._logits_are_the_head()
-            or type(head) not in (nn.Linear, PackedLinear)
+            or not (type(head) is nn.Linear or (type(head) is PackedLinear and head.is_plain))
             or head.bias is not None
             or head.weight.dtype != torch.float32
             or mode is None

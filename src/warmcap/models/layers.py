@@ -157,6 +157,9 @@ class ColumnParallelLinear(nn.Linear):
     Its output is this rank's slice; nothing is communicated.
     """
 
+    #: the product is the output (packed like a plain linear: ``models/packed_linear.py``)
+    finish: Callable[[nn.Linear, torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, in_features: int, start: int, size: int, *, bias: bool) -> None:
         super().__init__(in_features, size, bias=bias)
         self.shards = {"weight": Shard(0, start, size)}
@@ -173,8 +176,13 @@ class RowParallelLinear(nn.Linear):
         self.shards = {"weight": Shard(1, start, size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(F.linear(x, self.weight))
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """The layer's output from this rank's bias-free partial product (also the packed
+        product's: ``models/packed_linear.py``)."""
         # NOTE: the bias must be added after the sum, or it would be counted world_size times.
-        y = all_reduce_sum(F.linear(x, self.weight))
+        y = all_reduce_sum(partial)
         return y if self.bias is None else y + self.bias
 
 
@@ -205,7 +213,11 @@ class ParallelLMHead(ColumnParallelLinear):
         super().__init__(hidden, start, size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(F.linear(x, self.weight))
+        return self.finish(F.linear(x, self.weight))
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Every rank's slice of the logits, gathered (the head has no bias)."""
+        return all_gather_last_dim(partial)
 
 
 def column_linear(in_features: int, out_features: int, start: int, size: int, *, bias: bool) -> nn.Linear:

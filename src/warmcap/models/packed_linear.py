@@ -16,9 +16,13 @@ larger calls, the same values bit for bit.
 Results equal ``F.linear`` to float32 rounding (a different summation order; checked in
 ``tests/models/test_packed_linear.py``), so greedy tokens match transformers as before.
 
-Only plain float32 ``nn.Linear`` modules on CPU are packed: tensor-parallel linears sum partial
-products in their own forward, batch-invariant ones tile by design, and other dtypes or devices
-have their own kernels.
+Float32 ``nn.Linear`` modules on CPU are packed, and the subclasses that declare a ``finish``
+class attribute: the tensor-parallel linears of ``models/layers.py``. ``finish`` None (a
+column-parallel shard) means the product is the layer's output, as for a plain linear; a method
+(row-parallel: all-reduce, then the bias; the LM head: all-gather) is handed the packed product
+*without* the bias and returns the layer's output. So a rank's shard runs the same compiled GEMM
+(and the same q/k/v and gate/up groups) as an unsharded model. Batch-invariant linears tile by
+design and other dtypes or devices have their own kernels: they stay as they are.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,12 +119,24 @@ class PackedLinear(nn.Linear):
     group_index: int
     #: the compiled GEMM when ``packed_weight`` is its layout; None: oneDNN's
     gemm: Gemm | None
+    #: the class the module had before packing (``nn.Linear`` or a tensor-parallel linear), which
+    #: unpacking restores and whose ``finish`` completes the product
+    unpacked_class: type[nn.Linear]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             return self.group(x)[self.group_index]
         assert self.packed_weight is not None
-        return _linear(x, self.packed_weight, self.bias, self.gemm)
+        finish = _finish_of(self.unpacked_class)
+        if finish is None:
+            return _linear(x, self.packed_weight, self.bias, self.gemm)
+        return finish(self, _linear(x, self.packed_weight, None, self.gemm))
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether the product is the whole output (a plain linear, not a tensor-parallel shard
+        whose outputs are summed or gathered over the ranks)."""
+        return self.unpacked_class is nn.Linear
 
 
 def packed_group(*linears: nn.Module) -> PackedGroup | None:
@@ -135,8 +152,18 @@ def packed_group(*linears: nn.Module) -> PackedGroup | None:
     return group
 
 
+def _finish_of(cls: type) -> Any:
+    """``cls.finish``: None for a plain linear or a column-parallel shard (see the module docstring)."""
+    return getattr(cls, "finish", None)
+
+
+def _packable_class(cls: type) -> bool:
+    """A plain ``nn.Linear``, or a subclass declaring ``finish`` (the tensor-parallel linears)."""
+    return cls is nn.Linear or (issubclass(cls, nn.Linear) and cls is not PackedLinear and hasattr(cls, "finish"))
+
+
 def _packable(module: nn.Module) -> bool:
-    if type(module) is not nn.Linear:
+    if not _packable_class(type(module)):
         return False
     weight = module.weight
     return weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -145,6 +172,7 @@ def _packable(module: nn.Module) -> bool:
 def _pack(
     module: nn.Module, packed: Packed | None, group: PackedGroup | None, index: int, gemm: Gemm | None
 ) -> None:
+    module.unpacked_class = type(module)
     module.__class__ = PackedLinear
     module.packed_weight = packed
     module.group = group
@@ -156,7 +184,7 @@ def _pack_group(owner: nn.Module, names: tuple[str, ...], gemm: Gemm | None) -> 
     """Pack ``owner``'s children ``names`` as one :class:`PackedGroup`; returns them, or [] when they
     cannot share one GEMM (not all packable, other inputs, bias on some only)."""
     members = [getattr(owner, name, None) for name in names]
-    if not all(m is not None and _packable(m) for m in members):
+    if not all(m is not None and _packable(m) and _finish_of(type(m)) is None for m in members):
         return []
     if len({m.in_features for m in members}) != 1 or len({m.bias is None for m in members}) != 1:
         return []
@@ -200,19 +228,22 @@ def prepack_linears(
     for module in model.modules():
         if not _packable(module):
             continue
-        _pack(module, _pack_weight(module.weight, module.bias, gemm), None, 0, gemm)
+        # A linear with a finish adds its bias there, after the ranks' partial products are summed.
+        bias = module.bias if _finish_of(type(module)) is None else None
+        _pack(module, _pack_weight(module.weight, bias, gemm), None, 0, gemm)
         count += 1
     return count
 
 
 def unpack_linears(model: nn.Module) -> int:
-    """Undo :func:`prepack_linears`: every :class:`PackedLinear` becomes a plain ``nn.Linear``
-    again (its packed copy dropped); returns how many."""
+    """Undo :func:`prepack_linears`: every :class:`PackedLinear` gets its class back (``nn.Linear``
+    or its tensor-parallel linear; its packed copy dropped); returns how many."""
     count = 0
     for module in model.modules():
         if type(module) is PackedLinear:
-            del module.packed_weight, module.group, module.group_index, module.gemm
-            module.__class__ = nn.Linear
+            cls = module.unpacked_class
+            del module.packed_weight, module.group, module.group_index, module.gemm, module.unpacked_class
+            module.__class__ = cls
             count += 1
     return count
 
@@ -228,7 +259,9 @@ def prepacked_bytes(modules: list[nn.Module], device: torch.device, *, batch_inv
     total = 0
     for module in modules:
         for sub in module.modules():
-            if type(sub) not in (nn.Linear, PackedLinear) or sub.weight.dtype != torch.float32:
+            if not _packable_class(type(sub)) and type(sub) is not PackedLinear:
+                continue
+            if sub.weight.dtype != torch.float32:
                 continue
             if id(sub) in seen:
                 continue
@@ -241,7 +274,8 @@ def prepacked_bytes(modules: list[nn.Module], device: torch.device, *, batch_inv
 @contextmanager
 def running_unpacked(modules: Iterable[nn.Module], *, keep_compiled: bool = False) -> Iterator[None]:
     """Within the block, the :class:`PackedLinear` among ``modules`` multiply by their parameter as a
-    plain ``nn.Linear`` does (their packed copies kept, nothing re-packed on exit). For passes that
+    plain ``nn.Linear`` does, through the class they had before packing (their packed copies kept,
+    nothing re-packed on exit). For passes that
     swap parameters for other tensors, e.g. fake ones (``graphs/proof/safety.py``): the packed copy
     is a oneDNN tensor outside such a swap.
 
@@ -258,7 +292,7 @@ def running_unpacked(modules: Iterable[nn.Module], *, keep_compiled: bool = Fals
         )
     ]
     for module in packed:
-        module.__class__ = nn.Linear
+        module.__class__ = module.unpacked_class
     try:
         yield
     finally:
