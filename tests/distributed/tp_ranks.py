@@ -29,9 +29,7 @@ def greedy_logits(
     ``packed``: keep the linears as the loader packed them (the engine's kernels; ``packed_classes``
     says which classes were packed) instead of plain GEMMs."""
     model = load_model(model_dir)
-    packed_classes = sorted(
-        {m.unpacked_class.__name__ for m in model.modules() if type(m) is PackedLinear}
-    )
+    packed_classes = sorted({m.unpacked_class.__name__ for m in model.modules() if type(m) is PackedLinear})
     if not packed:
         # Plain GEMMs on both sides: this compares the sharding alone, not a packed kernel's
         # summation order against MKL's.

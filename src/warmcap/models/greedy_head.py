@@ -196,7 +196,12 @@ class GreedyHead:
         float32 CPU linear without bias, no oneDNN bf16, or a weight with NaN/Inf. ``ops``: the
         compiled CPU layer ops, whose candidate test replaces torch's passes when given.
         ``setting``: the config's ``kernel.exact_greedy_head`` (None: its default)."""
-        if type(head) is not PackedLinear or not head.is_plain or head.group is not None or head.bias is not None:
+        if (
+            type(head) is not PackedLinear
+            or not head.is_plain
+            or head.group is not None
+            or head.bias is not None
+        ):
             # (a tensor-parallel head holds a slice of the vocabulary: its argmax is not the head's)
             return None
         weight = head.weight.detach()
@@ -247,7 +252,9 @@ class GreedyHead:
         """Whether the head still computes as when this was built (a packed float32 linear with
         full-precision GEMMs); the benchmark's peers unpack linears after load."""
         head = self.head
-        return type(head) is PackedLinear and head.is_plain and head.group is None and _full_precision_matmul()
+        return (
+            type(head) is PackedLinear and head.is_plain and head.group is None and _full_precision_matmul()
+        )
 
     def screen(self, x: torch.Tensor) -> Screen | None:
         """The candidate set C of each row of ``x`` ``[M, H]`` float32; None when a row is

@@ -159,7 +159,9 @@ def _finish_of(cls: type) -> Any:
 
 def _packable_class(cls: type) -> bool:
     """A plain ``nn.Linear``, or a subclass declaring ``finish`` (the tensor-parallel linears)."""
-    return cls is nn.Linear or (issubclass(cls, nn.Linear) and cls is not PackedLinear and hasattr(cls, "finish"))
+    return cls is nn.Linear or (
+        issubclass(cls, nn.Linear) and cls is not PackedLinear and hasattr(cls, "finish")
+    )
 
 
 def _packable(module: nn.Module) -> bool:
