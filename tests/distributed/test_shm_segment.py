@@ -114,3 +114,43 @@ def test_the_segment_is_named_for_its_creator_and_can_lose_its_name_while_mapped
     finally:
         peer.kill()
         peer.join()
+
+
+def _lagging_peer_main(name: str, delays: list[float]) -> None:
+    """Rank 1: answer rank 0's collective k ``delays[k - 1]`` seconds after it arrives, busy all
+    the while (a peer that slept would add its own wake-up to rank 0's waits)."""
+    seg = Segment.attach(1, name, LAYOUT, 30.0)
+    clock = time.perf_counter
+    for k, delay in enumerate(delays, start=1):
+        while seg.get(0, SEQ) < k:
+            pass
+        end = clock() + delay
+        while clock() < end:
+            pass
+        seg.set(SEQ, k)
+    time.sleep(600)
+
+
+def test_spin_gives_the_core_away_when_the_peer_lags_and_returns_when_it_keeps_pace(segment):
+    """A rank whose peer keeps arriving long after it starts waiting stops spinning (on a busy
+    machine the spin burns the core another task needs); once the peer arrives within the spin
+    again (here a tenth of a millisecond late, as a rank with fewer heads waits for one with more),
+    it spins again (on a quiet machine that saves a futex wake-up at every collective)."""
+    from warmcap.distributed.shm_segment import SPIN_MAX_S
+
+    lagging, keeping_pace = [20 * SPIN_MAX_S] * 12, [SPIN_MAX_S / 5] * 12
+    peer = mp.get_context("fork").Process(
+        target=_lagging_peer_main, args=(segment.name, lagging + keeping_pace), daemon=True
+    )
+    peer.start()
+    try:
+        spinning = []
+        for k in range(1, len(lagging) + len(keeping_pace) + 1):
+            segment.set(SEQ, k)
+            segment.wait_at_least(1, SEQ, k)
+            spinning.append(segment._spinning)
+        assert not spinning[len(lagging) - 1], "still spinning after a run of long waits"
+        assert spinning[-1], "not spinning again after a run of waits the peer ended at once"
+    finally:
+        peer.kill()
+        peer.join()

@@ -17,8 +17,12 @@ segment has no name: it lives exactly as long as some rank maps it, so no exit p
 with SIGKILL included) can leave it behind. Only a death inside the few milliseconds between create
 and unlink could, and rank 0 removes the name in its ``finally`` there.
 
-Waiting (:meth:`Segment.wait_at_least`): a short spin, then the kernel: a futex wait on the
-awaited word (Linux), which the writer wakes when it sees a waiter's flag. On a machine with as
+Waiting (:meth:`Segment.wait_at_least`): a spin, then the kernel: a futex wait on the
+awaited word (Linux), which the writer wakes when it sees a waiter's flag. The spin adapts (up to
+:data:`SPIN_MAX_S`, while most recent waits ended within that): on a quiet
+machine, where each rank has its core, the ranks' waits between collectives are short and a rank
+woken from a futex (tens of microseconds later) would make its peer wait at the next collective;
+on a busy one the peer is often descheduled, spins fail, and the spin shrinks to nothing. On a machine with as
 many busy threads as cores a long spin would steal the very core the awaited peer needs, and a
 sleeper woken by the kernel is scheduled ahead of tasks that spin or ``sched_yield`` (with eight
 yields before the sleep, ``benchmarks/bench_tp.py`` measured the all-reduces 1.5x slower than
@@ -63,8 +67,16 @@ RING_SLOTS = 8
 RING_SLOT_BYTES = 256 << 10
 #: how often a wait checks its peers and its deadline
 CHECK_S = 0.01
-#: waits first spin this many polls (a few microseconds), then sleep in the kernel
+#: waits first spin this many polls (a few microseconds), then for an adaptive time (below), then
+#: sleep in the kernel
 SPIN_POLLS = 64
+#: the adaptive spin: a wait that outlasts the polls spins up to this long (a decode step's longest
+#: wait between two collectives on a quiet machine, one rank's extra attention heads, is a few
+#: hundred microseconds) while most recent such waits ended within it (a running share, each wait
+#: weighing SPIN_SHARE_WEIGHT); when most did not (the peer is far behind or descheduled) it goes
+#: straight to the kernel
+SPIN_MAX_S = 500e-6
+SPIN_SHARE_WEIGHT = 1 / 8
 #: the longest sleep step where no futex is available
 MAX_SLEEP_S = 0.002
 
@@ -221,6 +233,10 @@ class Segment:
         # before its data reads) where the CPU would not (ARM), at ~0.1 us.
         self._fence_lock = threading.Lock()
         self._closed = False
+        #: the adaptive spin (see :data:`SPIN_MAX_S`): the recent share of waits that ended within
+        #: it, and whether waits spin now
+        self._short_share = 1.0
+        self._spinning = True
         # The futex address of a word: its low 32 bits (the word's first half on little-endian CPUs).
         self._anchor = ctypes.c_char.from_buffer(buf)
         self._low_half = 0 if sys.byteorder == "little" else 4
@@ -333,7 +349,22 @@ class Segment:
             if words[index] >= target:
                 self.fence()
                 return
+        clock = time.perf_counter
+        start = clock()
+        if self._spinning:
+            end = start + SPIN_MAX_S
+            while clock() < end:
+                if words[index] >= target:
+                    self._record_wait(short=True)
+                    self.fence()
+                    return
         self._wait_slow(index, target, self.timeout_s if timeout_s is None else timeout_s)
+        self._record_wait(short=clock() - start < SPIN_MAX_S)
+
+    def _record_wait(self, *, short: bool) -> None:
+        """Fold a wait that outlasted the polls into the share of short ones; spin while most are."""
+        self._short_share += (float(short) - self._short_share) * SPIN_SHARE_WEIGHT
+        self._spinning = self._short_share >= 0.5
 
     def wait_idle(self, rank: int, field: int, target: int) -> None:
         """:meth:`wait_at_least` without a deadline: a worker waiting for the next command waits as
