@@ -8,7 +8,8 @@ neighbours or the thread count (``gemm.c``).
 
 Both products are operators torch sees, ``warmcap::gemm`` and ``warmcap::gemm_silu_mul``
 (``torch.ops.warmcap``): fake tensors and torch.compile run their fake implementations (shapes
-only), real CPU tensors the C code.
+only), real CPU tensors the C code, called without torch's dispatcher when nothing watches
+(:class:`~warmcap.kernels.cpu.policy.CpuOperator`).
 
 ``WARMCAP_CPU_GEMM`` (``auto``/``torch``/``kernel``, :mod:`.policy`) decides at model load
 (:func:`load_gemm`, called by ``models/packed_linear.prepack_linears``): ``torch`` keeps oneDNN's
@@ -28,7 +29,7 @@ from functools import cache
 import torch
 
 from warmcap.kernels.cpu.build import load_library
-from warmcap.kernels.cpu.policy import kernel_can_take, load_by_mode
+from warmcap.kernels.cpu.policy import CpuOperator, kernel_can_take, load_by_mode
 
 log = logging.getLogger("warmcap.models")
 
@@ -193,14 +194,19 @@ def _fake(
 
 # The two products as operators: ``gemm`` is x . W^T (+ bias) for n outputs; ``gemm_silu_mul`` is
 # silu(gate) * up for n = I outputs, blocks holding the gate's and up's 2I features.
-for _name, _silu in (("gemm", False), ("gemm_silu_mul", True)):
-    torch.library.define(f"warmcap::{_name}", "(Tensor x, Tensor blocks, Tensor? bias, int n) -> Tensor")
-    torch.library.register_fake(
-        f"warmcap::{_name}", lambda x, blocks, bias, n, _silu=_silu: _fake(_silu, x, blocks, bias, n)
-    )
-    torch.library.impl(
-        f"warmcap::{_name}", "CPU", lambda x, blocks, bias, n, _silu=_silu: _run(_silu, x, blocks, bias, n)
-    )
+_SCHEMA = "(Tensor x, Tensor blocks, Tensor? bias, int n) -> Tensor"
+_GEMM = CpuOperator(
+    "gemm",
+    _SCHEMA,
+    lambda x, blocks, bias, n: _run(False, x, blocks, bias, n),
+    lambda x, blocks, bias, n: _fake(False, x, blocks, bias, n),
+)
+_GEMM_SILU_MUL = CpuOperator(
+    "gemm_silu_mul",
+    _SCHEMA,
+    lambda x, blocks, bias, n: _run(True, x, blocks, bias, n),
+    lambda x, blocks, bias, n: _fake(True, x, blocks, bias, n),
+)
 
 
 @dataclass(eq=False, slots=True)
@@ -212,7 +218,7 @@ class Gemm:
         (the caller then runs ``F.linear`` on :meth:`BlockedWeight.dense`)."""
         if not self._takes(x, weight):
             return None
-        return torch.ops.warmcap.gemm.default(x, weight.blocks, weight.bias, weight.out_features)
+        return _GEMM(x, weight.blocks, weight.bias, weight.out_features)
 
     def silu_mul(self, x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor | None:
         """``silu(gate) * up`` ``[..., I]`` where ``weight`` packs the gate and up linears as one
@@ -223,7 +229,7 @@ class Gemm:
         inter = weight.out_features // 2
         if weight.out_features % 2 or inter % BLOCK or not self._takes(x, weight):
             return None
-        return torch.ops.warmcap.gemm_silu_mul.default(x, weight.blocks, weight.bias, inter)
+        return _GEMM_SILU_MUL(x, weight.blocks, weight.bias, inter)
 
     @staticmethod
     def _takes(x: torch.Tensor, weight: BlockedWeight) -> bool:

@@ -3,7 +3,8 @@ place, and the candidate test of the screened greedy head, for float32 decoders 
 
 Each is an operator torch sees (``torch.ops.warmcap``: ``rms_norm``, ``add_rms_norm``, ``rope_``,
 ``greedy_candidates``): fake tensors and torch.compile run its fake implementation, real CPU tensors
-the C code.
+the C code, called without torch's dispatcher when nothing watches
+(:class:`~warmcap.kernels.cpu.policy.CpuOperator`).
 
 ``WARMCAP_CPU_LAYER_OPS`` (``auto``/``torch``/``kernel``, :mod:`.policy`) decides at model load
 (:func:`load_layer_ops`); a model keeps what it was given. Each op also checks its tensors on every
@@ -21,7 +22,7 @@ from functools import cache
 import torch
 
 from warmcap.kernels.cpu.build import load_library
-from warmcap.kernels.cpu.policy import kernel_can_take, load_by_mode
+from warmcap.kernels.cpu.policy import CpuOperator, kernel_can_take, load_by_mode
 
 log = logging.getLogger("warmcap.models")
 
@@ -83,18 +84,6 @@ def _norm(
     )
 
 
-torch.library.define("warmcap::rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor")
-torch.library.define(
-    "warmcap::add_rms_norm", "(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)"
-)
-torch.library.define("warmcap::rope_", "(Tensor(a!) x, Tensor cos, Tensor sin) -> ()")
-torch.library.define(
-    "warmcap::greedy_candidates",
-    "(Tensor approx, Tensor cx, Tensor absolute, Tensor norms, Tensor(a!) scratch) -> (Tensor, Tensor)",
-)
-
-
-@torch.library.register_fake("warmcap::rms_norm")
 def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
 
@@ -135,7 +124,6 @@ def _greedy_takes(
     )
 
 
-@torch.library.impl("warmcap::rms_norm", "CPU")
 def _rms_norm_cpu(x, weight, eps):
     if not (_norm_takes(x, weight) and kernel_can_take(x, weight)):
         _refuse("rms_norm", "x must be float32 [rows, n] with unit stride in n, weight [n] contiguous")
@@ -144,12 +132,10 @@ def _rms_norm_cpu(x, weight, eps):
     return out
 
 
-@torch.library.register_fake("warmcap::add_rms_norm")
 def _add_rms_norm_fake(x, delta, weight, eps):
     return _rms_norm_fake(x, weight, eps), _rms_norm_fake(x, weight, eps)
 
 
-@torch.library.impl("warmcap::add_rms_norm", "CPU")
 def _add_rms_norm_cpu(x, delta, weight, eps):
     if not (_norm_takes(x, weight) and _norm_takes(delta, weight) and x.shape == delta.shape):
         _refuse("add_rms_norm", "x and delta must be [rows, n] alike with unit stride in n")
@@ -161,12 +147,10 @@ def _add_rms_norm_cpu(x, delta, weight, eps):
     return h, out
 
 
-@torch.library.register_fake("warmcap::rope_")
 def _rope_fake(x, cos, sin):
     return None
 
 
-@torch.library.impl("warmcap::rope_", "CPU")
 def _rope_cpu(x, cos, sin):
     if not (_rope_takes(x, cos, sin) and kernel_can_take(x, cos, sin)):
         _refuse("rope_", "x must be float32 [T, H, D] (D even, unit stride) and cos/sin [T, D] alike")
@@ -185,13 +169,11 @@ def _rope_cpu(x, cos, sin):
     )
 
 
-@torch.library.register_fake("warmcap::greedy_candidates")
 def _greedy_fake(approx, cx, absolute, norms, scratch):
     found = torch.library.get_ctx().new_dynamic_size()
     return cx.new_empty((found,), dtype=torch.int64), cx.new_empty((approx.shape[0], 1), dtype=torch.float32)
 
 
-@torch.library.impl("warmcap::greedy_candidates", "CPU")
 def _greedy_cpu(approx, cx, absolute, norms, scratch):
     if not (_greedy_takes(approx, cx, absolute, norms, scratch) and kernel_can_take(cx, absolute, norms)):
         _refuse("greedy_candidates", "see LayerOps.greedy_candidates for the tensors it takes")
@@ -219,6 +201,24 @@ def _rows(x: torch.Tensor, n: int) -> bool:
     return x.dim() == 2 and x.shape[1] == n and x.stride(1) == 1
 
 
+_RMS_NORM = CpuOperator(
+    "rms_norm", "(Tensor x, Tensor weight, float eps) -> Tensor", _rms_norm_cpu, _rms_norm_fake
+)
+_ADD_RMS_NORM = CpuOperator(
+    "add_rms_norm",
+    "(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
+    _add_rms_norm_cpu,
+    _add_rms_norm_fake,
+)
+_ROPE = CpuOperator("rope_", "(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", _rope_cpu, _rope_fake)
+_GREEDY_CANDIDATES = CpuOperator(
+    "greedy_candidates",
+    "(Tensor approx, Tensor cx, Tensor absolute, Tensor norms, Tensor(a!) scratch) -> (Tensor, Tensor)",
+    _greedy_cpu,
+    _greedy_fake,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerOps:
     """The compiled layer ops, loaded (:func:`load_layer_ops`): each checks its tensors and runs
@@ -229,7 +229,7 @@ class LayerOps:
         cannot take these tensors."""
         if not (_norm_takes(x, weight) and kernel_can_take(x, weight)):
             return None
-        return torch.ops.warmcap.rms_norm.default(x, weight, eps)
+        return _RMS_NORM(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
@@ -243,7 +243,7 @@ class LayerOps:
             and kernel_can_take(x, delta, weight)
         ):
             return None
-        return torch.ops.warmcap.add_rms_norm.default(x, delta, weight, eps)
+        return _ADD_RMS_NORM(x, delta, weight, eps)
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate x ``[T, H, D]`` in place by cos/sin ``[T, D]``, bit for bit as
@@ -251,7 +251,7 @@ class LayerOps:
         these tensors."""
         if not (_rope_takes(x, cos, sin) and kernel_can_take(x, cos, sin)):
             return False
-        torch.ops.warmcap.rope_.default(x, cos, sin)
+        _ROPE(x, cos, sin)
         return True
 
     def greedy_candidates(
@@ -269,7 +269,7 @@ class LayerOps:
         at least ``9 * V`` bytes. None when the kernel cannot take these tensors."""
         if not (_greedy_takes(approx, cx, absolute, norms, scratch) and kernel_can_take(cx, absolute, norms)):
             return None
-        return torch.ops.warmcap.greedy_candidates.default(approx, cx, absolute, norms, scratch)
+        return _GREEDY_CANDIDATES(approx, cx, absolute, norms, scratch)
 
 
 def load_layer_ops(mode: str | None = None) -> LayerOps | None:

@@ -1,7 +1,8 @@
 """The compiled CPU paged-attention kernel (``paged_attention.c``): its operator and when it is used.
 
 The kernel is the operator ``warmcap::paged_attention`` (``torch.ops.warmcap.paged_attention``): fake
-tensors and torch.compile run its fake implementation, real CPU tensors its C code, which takes one
+tensors and torch.compile run its fake implementation, real CPU tensors its C code (called without
+torch's dispatcher when nothing watches: :class:`~warmcap.kernels.cpu.policy.CpuOperator`), which takes one
 struct of arguments (``paged_attention.h``, mirrored by :class:`Params` and checked at load).
 
 ``WARMCAP_CPU_ATTENTION`` picks the CPU attention path (:mod:`.policy`): ``auto`` (default) uses the
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from warmcap.kernels.cpu.build import KernelBuildError, load_library
-from warmcap.kernels.cpu.policy import load_by_mode
+from warmcap.kernels.cpu.policy import CpuOperator, load_by_mode
 
 if TYPE_CHECKING:
     from warmcap.contracts.metadata import AttentionMetadata
@@ -126,21 +127,12 @@ def _entry_point() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 
 # The kernel as an operator torch sees (``warmcap::paged_attention``): fake tensors (the graph-safety
 # check) and torch.compile run its fake implementation, real CPU tensors the C kernel. It writes
-# the cache when k, v and slots are given.
-torch.library.define(
-    "warmcap::paged_attention",
-    "(Tensor q, Tensor(a!) kv_cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
-    "float scale, int window, Tensor? k, Tensor? v, Tensor? slots) -> Tensor",
-)
-
-
-@torch.library.register_fake("warmcap::paged_attention")
+# the cache when k, v and slots are given. Registered below, with its CPU implementation.
 def _paged_attention_fake(q, kv_cache, block_table, seq_lens, query_start_loc, scale, window, k, v, slots):
     _check_shapes(q, kv_cache, block_table, seq_lens, query_start_loc, k, v, slots)
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
-@torch.library.impl("warmcap::paged_attention", "CPU")
 def _paged_attention_cpu(q, kv_cache, block_table, seq_lens, query_start_loc, scale, window, k, v, slots):
     _check_shapes(q, kv_cache, block_table, seq_lens, query_start_loc, k, v, slots)
     t, hq, d = q.shape
@@ -175,6 +167,15 @@ def _paged_attention_cpu(q, kv_cache, block_table, seq_lens, query_start_loc, sc
     if status != 0:
         raise RuntimeError(f"CPU paged attention failed: {_STATUS.get(status, f'status {status}')}")
     return out
+
+
+_PAGED_ATTENTION = CpuOperator(
+    "paged_attention",
+    "(Tensor q, Tensor(a!) kv_cache, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+    "float scale, int window, Tensor? k, Tensor? v, Tensor? slots) -> Tensor",
+    _paged_attention_cpu,
+    _paged_attention_fake,
+)
 
 
 def _check_shapes(
@@ -287,7 +288,7 @@ class PagedAttentionKernel:
             k, v, slots = new_kv
             if slots.dtype != torch.int64 or not slots.is_contiguous():
                 slots = slots.to(torch.int64).contiguous()
-        return torch.ops.warmcap.paged_attention.default(
+        return _PAGED_ATTENTION(
             q,
             kv_cache,
             inputs.block_table,
