@@ -141,12 +141,10 @@ class MetaStamp:
 
 
 @dataclass(slots=True)
-class StepPlan:
-    """Metadata-derived tensors shared by every layer of one step (one KV group)."""
+class GatherPlan:
+    """What the gather + SDPA and batch-invariant paths derive from a step's metadata (the compiled
+    kernel reads the metadata itself and needs none of it): built on first use, once per step."""
 
-    meta: AttentionMetadata
-    stamp: MetaStamp
-    max_query_len: int
     #: [R * Q] token feeding each padded query slot (clamped; invalid slots masked out)
     query_index: torch.Tensor
     #: [T] padded query slot of each token
@@ -159,16 +157,36 @@ class StepPlan:
     #: [R, 1, 1] each row's sequence length and its first query's position
     seq_len: torch.Tensor
     first_query_pos: torch.Tensor
+    #: [T] each token's row, index in the row's query span and whether it is real (from
+    #: :func:`token_rows`, kept for the batch-invariant path)
+    token_row: torch.Tensor
+    token_index: torch.Tensor
+    token_valid: torch.Tensor
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Metadata-derived tensors shared by every layer of one step (one KV group), each derived on
+    first use: a decode step on the compiled kernel derives only the kernel's inputs and the write
+    slots."""
+
+    meta: AttentionMetadata
+    stamp: MetaStamp
+    max_query_len: int
+    num_tokens: int
     masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     slots: dict[int | None, torch.Tensor] = field(default_factory=dict)
     #: the step's slot mapping with PAD sent to the sink, by the sink's first slot
     sinked: dict[int, torch.Tensor] = field(default_factory=dict)
     kernel: KernelInputs | None = None
-    #: [T] each token's row, index in the row's query span and whether it is real (from
-    #: :func:`token_rows`, kept for the batch-invariant path)
-    token_row: torch.Tensor | None = None
-    token_index: torch.Tensor | None = None
-    token_valid: torch.Tensor | None = None
+    _gather: GatherPlan | None = None
+
+    @property
+    def gather(self) -> GatherPlan:
+        """The gather paths' tensors (:class:`GatherPlan`), derived once per step."""
+        if self._gather is None:
+            self._gather = _gather_plan(self.meta, self.num_tokens, self.max_query_len)
+        return self._gather
 
     def kernel_inputs(self) -> KernelInputs:
         """The metadata as the CPU kernel reads it, converted once per step."""
@@ -201,13 +219,14 @@ class StepPlan:
         if cached is not None:
             return cached
         bs = self.meta.block_size
-        key_pos = self.key_pos.view(1, -1)
-        unread = key_pos >= self.seq_len.view(-1, 1)
+        g = self.gather
+        key_pos = g.key_pos.view(1, -1)
+        unread = key_pos >= g.seq_len.view(-1, 1)
         if window is not None:
-            unread |= key_pos <= self.first_query_pos.view(-1, 1) - window
-        last = (self.seq_len.view(-1, 1) - 1).clamp(min=0)
+            unread |= key_pos <= g.first_query_pos.view(-1, 1) - window
+        last = (g.seq_len.view(-1, 1) - 1).clamp(min=0)
         pos = torch.where(unread, last, key_pos)
-        table = self.meta.block_table[: self.seq_len.shape[0]].long()
+        table = self.meta.block_table[: g.seq_len.shape[0]].long()
         slots = table.gather(1, pos // bs) * bs + pos % bs
         cached = self.slots[window] = slots.reshape(-1)
         return cached
@@ -220,13 +239,14 @@ class StepPlan:
         cached = self.masks.get((window, group, dtype))
         if cached is not None:
             return cached
-        allowed = self.key_pos <= self.query_pos
+        g = self.gather
+        allowed = g.key_pos <= g.query_pos
         if window is not None:
-            allowed = allowed & (self.key_pos > self.query_pos - window)
+            allowed = allowed & (g.key_pos > g.query_pos - window)
         # NOTE: a query with no visible key (padding) would give NaN from softmax; let it see key 0
         # instead and drop its output later (padded slots are never scattered, padded tokens zeroed).
         empty = ~allowed.any(dim=-1, keepdim=True)
-        allowed = allowed | (empty & (self.key_pos == 0))
+        allowed = allowed | (empty & (g.key_pos == 0))
         r, q, k = allowed.shape
         allowed = allowed[:, None].expand(r, group, q, k).reshape(r, 1, group * q, k)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -236,8 +256,15 @@ class StepPlan:
 
 
 def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
-    """Derive the step's gather indices and masks from ``meta`` with tensor ops only."""
-    r, bs, q = meta.num_reqs, meta.block_size, max(meta.max_query_len, 1)
+    """A step's plan: its metadata stamped; what the paths derive from it comes on first use."""
+    return StepPlan(
+        meta=meta, stamp=MetaStamp.of(meta), max_query_len=max(meta.max_query_len, 1), num_tokens=num_tokens
+    )
+
+
+def _gather_plan(meta: AttentionMetadata, num_tokens: int, q: int) -> GatherPlan:
+    """Derive the step's gather indices and positions from ``meta`` with tensor ops only."""
+    r, bs = meta.num_reqs, meta.block_size
     # Columns up to the one holding the last position any row can have (position -> column).
     cols = min(meta.block_table.shape[1], (max(meta.max_seq_len, 1) - 1) // bs + 1)
     device = meta.block_table.device
@@ -250,10 +277,7 @@ def build_plan(meta: AttentionMetadata, num_tokens: int) -> StepPlan:
     query_index = (qsl[:-1, None] + i[None, :]).clamp(max=max(num_tokens - 1, 0)).reshape(-1)
     row, index, valid = token_rows(meta, num_tokens)
     out_index = (row * q + index.clamp(min=0, max=q - 1)).reshape(-1)
-    return StepPlan(
-        meta=meta,
-        stamp=MetaStamp.of(meta),
-        max_query_len=q,
+    return GatherPlan(
         query_index=query_index,
         out_index=out_index,
         token_invalid=~valid[:, None, None],
@@ -296,11 +320,12 @@ def invariant_attention(
     padded = t + (-t) % tile
     queries = q.new_zeros(padded, hkv, group, d, dtype=kv_cache.dtype)
     queries[:t] = q.view(t, hkv, group, d)
-    pos = plan.token_row.new_full((padded,), -1)
-    first = plan.first_query_pos.view(-1)
-    pos[:t] = torch.where(plan.token_valid, first[plan.token_row] + plan.token_index, -1)
-    rows = plan.token_row.new_zeros(padded)
-    rows[:t] = plan.token_row
+    g = plan.gather
+    pos = g.token_row.new_full((padded,), -1)
+    first = g.first_query_pos.view(-1)
+    pos[:t] = torch.where(g.token_valid, first[g.token_row] + g.token_index, -1)
+    rows = g.token_row.new_zeros(padded)
+    rows[:t] = g.token_row
     table = meta.block_table.long()
     keys_all, values_all = kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d)
     offsets = torch.arange(chunk, device=q.device)
@@ -451,7 +476,7 @@ class TorchPagedAttention(AttentionBackend):
         if decode:
             queries = q.reshape(r, hkv, group, d)
         else:
-            queries = q.index_select(0, plan.query_index).view(r, qmax, hkv, group, d)
+            queries = q.index_select(0, plan.gather.query_index).view(r, qmax, hkv, group, d)
             queries = queries.permute(0, 2, 3, 1, 4).reshape(r, hkv, group * qmax, d)
         out = F.scaled_dot_product_attention(
             queries if queries.dtype == keys.dtype else queries.to(keys.dtype),
@@ -464,7 +489,7 @@ class TorchPagedAttention(AttentionBackend):
             out = out.reshape(r, hq, d)
         else:
             out = out.view(r, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(r * qmax, hq, d)
-            out = out.index_select(0, plan.out_index)
+            out = out.index_select(0, plan.gather.out_index)
         # SDPA's output is fresh: padded tokens are zeroed in place.
-        out.masked_fill_(plan.token_invalid, 0.0)
+        out.masked_fill_(plan.gather.token_invalid, 0.0)
         return out if out.dtype == q.dtype else out.to(q.dtype)
