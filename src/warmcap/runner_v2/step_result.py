@@ -11,6 +11,7 @@ to the persistent batch (the next step's inputs are built after them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ class PendingTokens:
     """A step's sampled tokens being copied to the host, and how to read them.
 
     ``verified``: the copy holds a verify step's (tokens, accepted counts); ``flag``: its last part
-    is a device flag (the greedy head's "a row declined", or the full path's "all finite");
+    is a device flag (the greedy head's "a row declined", or the full path's "all finite"; on CPU
+    the full path's float row sums, all finite or not);
     ``samples``: per request whether it sampled (None: every request did).
     """
 
@@ -42,9 +44,16 @@ class PendingTokens:
     def read(self) -> tuple[list[list[int]], bool | None]:
         """Each request's tokens (``[]`` for one that sampled nothing) and the flag's value."""
         host = self.copy.wait()
-        value = bool(host[-1]) if self.flag else None
+        value = _flag_value(host[-1]) if self.flag else None
         produced = Verified.emit(host[0], host[1]) if self.verified else [[t] for t in host[0].tolist()]
         return spread(produced, self.samples), value
+
+
+def _flag_value(part: torch.Tensor) -> bool:
+    if part.is_floating_point():
+        # The full path's row sums, on the host: finite iff every row's is.
+        return all(map(math.isfinite, part.tolist()))
+    return bool(part)
 
 
 def spread(produced: list[list[int]], samples: list[bool] | None) -> list[list[int]]:
