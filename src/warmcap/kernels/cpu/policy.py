@@ -113,14 +113,16 @@ class CpuOperator:
 def unwatched(args: tuple[Any, ...]) -> bool:
     """Whether an operator call with ``args`` could be seen by nothing but its result: not traced by
     ``torch.compile``, no torch-function or dispatch mode active, the profiler off, and every
-    tensor argument a plain ``torch.Tensor`` (not a fake or other subclass)."""
+    argument a plain ``torch.Tensor`` (not a fake or other subclass), number or None (not a tracer's
+    proxy)."""
     if torch.compiler.is_compiling():
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
         return False
     if torch._C._autograd._profiler_enabled():
         return False
-    for a in args:  # noqa: SIM110 - a plain loop: no generator object on every kernel call
-        if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
-            return False
+    for a in args:
+        if type(a) is torch.Tensor or a is None or type(a) in (int, float, bool):
+            continue
+        return False
     return True
