@@ -35,14 +35,25 @@ enum {
     WARMCAP_BAD_SLOT = 4,
 };
 
-/* Sixteen floats: one AVX-512 register, two AVX2 or four NEON ones (GCC/Clang vector extension). */
+/* Sixteen floats (GCC/Clang vector extension), and the vector the loops below work in: all sixteen
+ * where one register holds them (AVX-512), else eight at a time. NOTE: GCC keeps a 16-float vector on
+ * the stack on an AVX2 target, round-tripping every accumulator through memory and building each
+ * broadcast from sixteen scalar stores (a store-forwarding stall per key): measured 50-55 ns a score
+ * on an AVX2 EPYC. Eight-float vectors over the same lanes compute the same bits. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
+typedef v16f vecf;
+#define VL 16
+#else
+typedef v8f vecf;
+#define VL 8
+#endif
 
-static inline v16f load16(const float *p)
+static inline vecf loadv(const float *p)
 {
-    v16f v;
+    vecf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
@@ -54,13 +65,23 @@ static inline v16f load16(const float *p)
  */
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int32_t d)
 {
-    v16f acc = {0};
+    /* Lanes 0-15 of the sixteen partial sums, VL at a time. */
+    vecf acc[16 / VL];
+    for (int32_t i = 0; i < 16 / VL; ++i) {
+        acc[i] = (vecf){0};
+    }
     int32_t x = 0;
     for (; x + 16 <= d; x += 16) {
-        acc += load16(a + x) * load16(b + x);
+        for (int32_t i = 0; i < 16 / VL; ++i) {
+            acc[i] += loadv(a + x + i * VL) * loadv(b + x + i * VL);
+        }
     }
-    v8f h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-             __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+#if VL == 16
+    v8f h8 = __builtin_shufflevector(acc[0], acc[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(acc[0], acc[0], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8f h8 = acc[0] + acc[1];
+#endif
     v4f h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
     float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
     for (; x < d; ++x) {
@@ -109,7 +130,7 @@ static inline __attribute__((always_inline)) int attend_position(
     float *out, const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
     const int32_t *table_row, int32_t cols, int64_t num_blocks, int32_t block_size, int64_t token_stride,
     int32_t hb, int32_t he, int32_t lo, int32_t pos, int32_t group, int32_t d, float scale, float *scores,
-    float *acc, const int32_t *next_row, int32_t next_len)
+    float *acc, int64_t *key_at, const int32_t *next_row, int32_t next_len)
 {
     const int32_t n = pos - lo + 1;
     const int32_t heads = (he - hb) * group;
@@ -117,25 +138,31 @@ static inline __attribute__((always_inline)) int attend_position(
     if ((pos / block_size) >= cols) {
         return WARMCAP_BAD_SHAPE;
     }
+    /* Where each key's heads [hb, he) start in a cache half (floats), once: the loops below read it
+     * per key and per head, and a division by the block size per read cost more than the dot
+     * products at small head sizes. Every block is checked before any is read. */
+    {
+        int32_t col = lo / block_size, off = lo % block_size;
+        for (int32_t j = 0; j < n; ++j) {
+            const int32_t block = table_row[col];
+            if (block < 0 || block >= num_blocks) {
+                return WARMCAP_BAD_BLOCK;
+            }
+            key_at[j] = ((int64_t)block * block_size + off) * token_stride + (int64_t)hb * d;
+            if (++off == block_size) {
+                off = 0;
+                ++col;
+            }
+        }
+    }
     /* Scores, [head][key]: each key is loaded once for every query head that reads it. */
     for (int32_t j = 0; j < n; ++j) {
-        const int32_t p = lo + j;
-        const int32_t block = table_row[p / block_size];
-        if (block < 0 || block >= num_blocks) {
-            return WARMCAP_BAD_BLOCK;
-        }
-        const int64_t slot = ((int64_t)block * block_size + p % block_size) * token_stride + (int64_t)hb * d;
+        const int64_t slot = key_at[j];
         prefetch_floats(v_cache + slot, head_floats);
         /* And the keys KEYS_AHEAD positions on: the hardware's stream stops at a page's end, and a
          * row's first keys were not fetched while the row before it summed its values. */
         if (j + KEYS_AHEAD < n) {
-            const int32_t ahead = p + KEYS_AHEAD;
-            const int32_t ahead_block = table_row[ahead / block_size];
-            if (ahead_block >= 0 && ahead_block < num_blocks) {
-                prefetch_floats(
-                    k_cache + ((int64_t)ahead_block * block_size + ahead % block_size) * token_stride + (int64_t)hb * d,
-                    head_floats);
-            }
+            prefetch_floats(k_cache + key_at[j + KEYS_AHEAD], head_floats);
         }
         for (int32_t h = 0; h < he - hb; ++h) {
             const float *key = k_cache + slot + (int64_t)h * d;
@@ -168,26 +195,25 @@ static inline __attribute__((always_inline)) int attend_position(
             for (int32_t g = 0; g < group; ++g) {
                 const int32_t head = h * group + g;
                 const float *w = scores + (int64_t)head * n;
-                v16f a[16];
-                for (int32_t c = 0; c < d / 16; ++c) {
-                    a[c] = (v16f){0};
+                vecf a[256 / VL];
+                for (int32_t c = 0; c < d / VL; ++c) {
+                    a[c] = (vecf){0};
                 }
                 for (int32_t j = 0; j < n; ++j) {
-                    const int32_t p = lo + j;
-                    const int64_t slot = (int64_t)table_row[p / block_size] * block_size + p % block_size;
-                    const float *vh = v_cache + slot * token_stride + (int64_t)(hb + h) * d;
+                    const float *vh = v_cache + key_at[j] + (int64_t)h * d;
                     if (head == 0) {
                         prefetch_next_keys(k_cache, next_row, next_len, j, num_blocks, block_size, token_stride,
                                            (int64_t)hb * d, head_floats);
                     }
-                    for (int32_t c = 0; c < d / 16; ++c) {
-                        a[c] += w[j] * load16(vh + 16 * c);
+                    const float wj = w[j];
+                    for (int32_t c = 0; c < d / VL; ++c) {
+                        a[c] += wj * loadv(vh + VL * c);
                     }
                 }
                 float *og = out + (int64_t)(hb * group + head) * d;
-                for (int32_t c = 0; c < d / 16; ++c) {
-                    const v16f o = a[c] * inv_sum[head];
-                    memcpy(og + 16 * c, &o, sizeof o);
+                for (int32_t c = 0; c < d / VL; ++c) {
+                    const vecf o = a[c] * inv_sum[head];
+                    memcpy(og + VL * c, &o, sizeof o);
                 }
             }
         }
@@ -197,9 +223,7 @@ static inline __attribute__((always_inline)) int attend_position(
      * L1). */
     memset(acc, 0, sizeof(float) * (size_t)heads * (size_t)d);
     for (int32_t j = 0; j < n; ++j) {
-        const int32_t p = lo + j;
-        const float *value =
-            v_cache + ((int64_t)table_row[p / block_size] * block_size + p % block_size) * token_stride + (int64_t)hb * d;
+        const float *value = v_cache + key_at[j];
         prefetch_next_keys(k_cache, next_row, next_len, j, num_blocks, block_size, token_stride, (int64_t)hb * d,
                            head_floats);
         for (int32_t h = 0; h < he - hb; ++h) {
@@ -232,11 +256,11 @@ static int attend(
     float *out, const float *q, int64_t q_stride_h, const float *k_cache, const float *v_cache,
     const int32_t *table_row, int32_t cols, int64_t num_blocks, int32_t block_size, int64_t token_stride,
     int32_t hb, int32_t he, int32_t lo, int32_t pos, int32_t group, int32_t d, float scale, float *scores,
-    float *acc, const int32_t *next_row, int32_t next_len)
+    float *acc, int64_t *key_at, const int32_t *next_row, int32_t next_len)
 {
 #define WARMCAP_ATTEND(D)                                                                                   \
     attend_position(out, q, q_stride_h, k_cache, v_cache, table_row, cols, num_blocks, block_size,          \
-                    token_stride, hb, he, lo, pos, group, D, scale, scores, acc, next_row, next_len)
+                    token_stride, hb, he, lo, pos, group, D, scale, scores, acc, key_at, next_row, next_len)
     switch (d) {
     case 64:
         return WARMCAP_ATTEND(64);
@@ -350,7 +374,8 @@ int warmcap_paged_attention(const struct warmcap_pa_params *p)
     {
         float *scores = malloc(sizeof(float) * (size_t)((int64_t)task_heads * group * max_keys));
         float *acc = malloc(sizeof(float) * (size_t)((int64_t)task_heads * group * (d + 1)));
-        int local = (scores == NULL || acc == NULL) ? WARMCAP_NO_MEMORY : WARMCAP_OK;
+        int64_t *key_at = malloc(sizeof(int64_t) * (size_t)max_keys);
+        int local = (scores == NULL || acc == NULL || key_at == NULL) ? WARMCAP_NO_MEMORY : WARMCAP_OK;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; ++task) {
             const int32_t r = by_row ? (int32_t)task : (int32_t)(task / hkv);
@@ -379,7 +404,7 @@ int warmcap_paged_attention(const struct warmcap_pa_params *p)
                 const int last = i + 1 == qlen;
                 local = attend(
                     ot, q + t * q_stride_t, q_stride_h, k_cache, v_cache, block_table + (int64_t)r * cols, cols,
-                    num_blocks, block_size, token_stride, hb, he, lo, pos, group, d, scale, scores, acc,
+                    num_blocks, block_size, token_stride, hb, he, lo, pos, group, d, scale, scores, acc, key_at,
                     last ? next_row : NULL, last ? next_len : 0);
             }
         }
@@ -389,6 +414,7 @@ int warmcap_paged_attention(const struct warmcap_pa_params *p)
         }
         free(scores);
         free(acc);
+        free(key_at);
     }
     return status;
 }
