@@ -373,15 +373,20 @@ def kernel_default(name: str) -> str:
     """The default of :class:`KernelConfig`'s field ``name``: its environment variable, else the
     first of its values; ConfigError naming the variable when it holds anything else. Code handed
     no config reads one setting through here, never by building a whole :class:`KernelConfig`."""
-    allowed, variable = KERNEL_CHOICES[name]
-    value = env.read(variable).lower()
-    if name == "exact_greedy_head":
+    variable = KERNEL_CHOICES[name][1]
+    return _kernel_value(name, env.read(variable).lower(), env.source(variable))
+
+
+def _kernel_value(name: str, value: object, origin: str = "") -> str:
+    """``value`` of :class:`KernelConfig`'s field ``name`` as the record keeps it (the greedy
+    head's "1"/"0" as on/off); ConfigError, saying where it came from (``origin``), when it is not
+    one of the field's values."""
+    allowed = KERNEL_CHOICES[name][0]
+    if isinstance(value, str) and name == "exact_greedy_head":
         value = _GREEDY_HEAD_ALIASES.get(value, value)
     if value not in allowed:
-        raise ConfigError(
-            f"{name} {value!r}{env.source(variable)} is not one of {', '.join(allowed)}: pick one"
-        )
-    return value
+        raise ConfigError(f"{name} {value!r}{origin} is not one of {', '.join(allowed)}: pick one")
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,13 +415,8 @@ class KernelConfig:
     tp_comm: str = field(default_factory=partial(kernel_default, "tp_comm"))
 
     def __post_init__(self) -> None:
-        for name, (allowed, _) in KERNEL_CHOICES.items():
-            value = getattr(self, name)
-            if isinstance(value, str) and name == "exact_greedy_head":
-                value = _GREEDY_HEAD_ALIASES.get(value, value)
-                object.__setattr__(self, name, value)
-            if value not in allowed:
-                raise ConfigError(f"{name} {value!r} is not one of {', '.join(allowed)}: pick one")
+        for name in KERNEL_CHOICES:
+            object.__setattr__(self, name, _kernel_value(name, getattr(self, name)))
 
 
 @dataclass(frozen=True, slots=True)

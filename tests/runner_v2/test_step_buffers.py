@@ -61,18 +61,21 @@ def test_eager_step_trims_columns_and_padding_needs_a_row() -> None:
 BS, WIDTH = 4, 6
 
 
-def _fresh_batch() -> tuple[InputBatch, StepBuffers]:
-    batch = InputBatch(
-        max_num_reqs=4, max_model_len=BS * WIDTH, max_blocks_per_req=WIDTH, group_names=["full"]
-    )
-    buf = StepBuffers(
+def _kept_rows_buffers() -> StepBuffers:
+    return StepBuffers(
         max_num_tokens=24,
         max_num_reqs=4,
         max_blocks_per_req=WIDTH,
         group_block_sizes={"full": BS},
         device="cpu",
     )
-    return batch, buf
+
+
+def _fresh_batch() -> tuple[InputBatch, StepBuffers]:
+    batch = InputBatch(
+        max_num_reqs=4, max_model_len=BS * WIDTH, max_blocks_per_req=WIDTH, group_names=["full"]
+    )
+    return batch, _kept_rows_buffers()
 
 
 @settings(max_examples=60, deadline=None)
@@ -82,13 +85,7 @@ def test_kept_block_table_rows_equal_a_full_reload(data: st.DataObject) -> None:
     scheduler's order changing, other loads and paddings in between): after every load the buffers
     (table rows, slot mapping, the layout a decode step keeps) hold what loading afresh gives."""
     batch, buf = _fresh_batch()
-    ref = StepBuffers(
-        max_num_tokens=24,
-        max_num_reqs=4,
-        max_blocks_per_req=WIDTH,
-        group_block_sizes={"full": BS},
-        device="cpu",
-    )
+    ref = _kept_rows_buffers()
     state: dict[str, list[int]] = {}  # req -> [computed, num_tokens]
     next_block, next_id = 1, 0
     for _ in range(data.draw(st.integers(3, 14), label="steps")):
