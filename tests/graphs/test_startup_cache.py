@@ -93,11 +93,15 @@ def test_a_warm_start_takes_verdicts_from_the_cache_and_reports_the_same_graphs(
     assert not diff.has_regressions, diff
 
 
-def test_a_warm_static_capture_runs_no_forward_and_every_graph_still_replays_like_eager(
-    cache_dir, model_dir, monkeypatch
+@pytest.mark.parametrize("record_max_tokens", [0, capture_module.RECORD_MAX_TOKENS])
+def test_a_warm_static_capture_runs_no_forward_but_its_recordings_and_every_graph_still_replays_like_eager(
+    cache_dir, model_dir, monkeypatch, record_max_tokens
 ) -> None:
-    """``static`` records nothing: with every output layout cached, a warm capture only allocates
-    the static outputs; replays fill them exactly as the cold start's did."""
+    """With every output layout cached, a warm ``static`` capture only allocates the static outputs
+    of the graphs it does not record, and runs one forward for each graph it records (a recording
+    is a forward: ``graphs/capture/cpu_program.py``); replays fill them exactly as the cold start's
+    did."""
+    monkeypatch.setattr(capture_module, "RECORD_MAX_TOKENS", record_max_tokens)
     cold = start(cache_dir, model_dir)
     assert {kind for kind, _ in cold.result.order} == {"eager", "capture"}
     forwards = {"during_capture": 0}
@@ -121,7 +125,9 @@ def test_a_warm_static_capture_runs_no_forward_and_every_graph_still_replays_lik
     warm = capture_graphs(
         rig.runner, rig.manager, backend="static", startup_cache=cache_dir, model_dir=model_dir
     )
-    assert forwards["during_capture"] == 0
+    recorded = [g.spec.label for g in warm.result.graphs if g.program is not None]
+    assert recorded == [g.spec.label for g in warm.result.graphs if g.spec.num_tokens <= record_max_tokens]
+    assert forwards["during_capture"] == len(recorded)
     assert {kind for kind, _ in warm.result.order} == {"capture"}
     assert [
         (g.spec.label, g.output.shape, g.output.dtype, [a.shape for a in g.aux]) for g in warm.result.graphs

@@ -203,6 +203,9 @@ def test_the_reference_recomputes_each_row_so_a_misread_context_is_caught(monkey
         return out + 0.5 if reads_cache else out
 
     monkeypatch.setattr(TorchPagedAttention, "forward", misread)
+    # Captured again with the misreading attention (a recorded CPU graph replays what it recorded).
+    capturer = GraphCapturer(rig.runner, "static", capture_sizes=[4, 8])
+    graphs = capturer.capture().graphs
     checks = verify_graphs(capturer, graphs, rig.manager)
     assert checks and not any(c.verified for c in checks)
     assert all(c.real_rows_max_abs_diff > 1e-2 for c in checks)

@@ -19,14 +19,17 @@ plan: planning reads device tensors on the host).
 Backends:
 - ``cuda``: ``torch.cuda.CUDAGraph`` per shape, one ``graph_pool_handle()`` pool; needs
   ``torch.cuda.is_available()`` and a runner on a CUDA device.
-- ``static``: the same code path over the same static buffers without recording; replay runs the
-  eager forward on the static buffers and copies into the graph's static outputs. It proves the
-  padding and buffer handling on any machine, not CUDA-graph speed. Recording nothing, its capture
-  would be a second forward over the inputs of the eager pass: the graph keeps the outputs of
-  that pass as its static outputs instead (one forward per shape, not two). Those buffers are all
-  a ``static`` capture produces (every replay overwrites them before they are read), so when the
-  caller holds the layout of every graph's outputs (``layouts``: a warm start's, from the start-up
-  cache), they are allocated from it and no forward runs at all; verification still replays
+- ``static``: the same code path over the same static buffers without a CUDA graph; replay runs the
+  eager forward on the static buffers and copies into the graph's static outputs, or, on CPU for
+  a graph of up to :data:`RECORD_MAX_TOKENS` tokens, replays the recording of that forward's kernel
+  calls (:mod:`warmcap.graphs.capture.cpu_program`; :meth:`GraphCapturer.why_not_recorded` says
+  which graphs cannot). It proves the padding and buffer handling on any machine, not CUDA-graph
+  speed. Its capture would be a second forward over the inputs of the eager pass: the graph keeps
+  the outputs of that pass (recorded, where it records) as its static outputs instead (one
+  forward per shape, not two). Those buffers are all an unrecorded ``static`` graph holds (every
+  replay overwrites them before they are read), so when the caller holds the layout of every
+  graph's outputs (``layouts``: a warm start's, from the start-up cache), they are allocated from
+  it and only the recorded graphs run a forward (their recording); verification still replays
   (``graphs/startup.py``).
 - ``compile``: ``torch.compile`` of the forward per shape over the static buffers (no graph).
 
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from warmcap.errors import ConfigError
+from warmcap.graphs.capture.cpu_program import CpuProgram, Refused, record
 from warmcap.graphs.capture.layouts import OutputLayout, allocate
 from warmcap.graphs.capture.planning import (
     CaptureFacts,
@@ -55,6 +59,7 @@ from warmcap.graphs.capture.planning import (
 )
 from warmcap.graphs.capture.static_inputs import graph_metadata
 from warmcap.graphs.capture.subjects import GraphSubject, Outputs, make_subjects
+from warmcap.runner_v2.mamba_state import MambaMetadata
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -64,6 +69,31 @@ if TYPE_CHECKING:
     from warmcap.core.kv_spec import KVCacheGroup
     from warmcap.runner_v2.collaborators import DraftModel
     from warmcap.runner_v2.model_runner import ModelRunner
+
+
+#: the largest pass a ``static`` graph records (:meth:`GraphCapturer.why_not_recorded`): its
+#: intermediates stay allocated with the graph, and past decode sizes the Python a replay saves is
+#: small beside the pass's arithmetic
+RECORD_MAX_TOKENS = 32
+
+
+def recording_note(graphs: Sequence[CapturedGraph]) -> str:
+    """The report's line on which ``static`` CPU graphs replay a recorded program, and why the others
+    do not (each reason once, with the graphs it holds for)."""
+    recorded = [g for g in graphs if g.program is not None]
+    line = f"static on CPU: {len(recorded)} of {len(graphs)} graphs replay a recorded program of kernel calls"
+    if recorded:
+        calls = sorted({len(g.program) for g in recorded if g.program is not None})
+        span = f"{calls[0]}" if len(calls) == 1 else f"{calls[0]}-{calls[-1]}"
+        line += f" ({span} calls a replay)"
+    reasons: dict[str, list[str]] = {}
+    for g in graphs:
+        if g.program is None:
+            reasons.setdefault(g.not_recorded, []).append(g.spec.label)
+    for why, labels in reasons.items():
+        shown = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+        line += f"; run the forward at each replay: {shown} ({why})"
+    return line
 
 
 def default_backend_for(device: torch.device) -> str:
@@ -108,6 +138,10 @@ class CapturedGraph:
     memory_bytes: int = 0
     #: static auxiliary hidden states ``[num_tokens, H]`` (target graphs of EAGLE-3 / DFlash runners)
     aux: list[torch.Tensor] = field(default_factory=list)
+    #: ``static`` on CPU: the recorded forward a replay runs (None: a replay runs the forward)
+    program: CpuProgram | None = None
+    #: ``static`` on CPU, when the forward was not recorded: why
+    not_recorded: str = ""
 
     @property
     def layout(self) -> OutputLayout:
@@ -215,10 +249,16 @@ class GraphCapturer:
         if self.backend != "static" or (layouts is not None and any(s.label not in layouts for s in specs)):
             layouts = None
         eager_outputs: dict[str, Outputs] = {}
+        recordings: dict[str, CpuProgram | Refused] = {}
         if layouts is None:
             for spec in specs:
                 self.load(spec)
-                outputs = self.forward(spec, self.metadata(spec))
+                metas = self.metadata(spec)
+                if self.backend == "static" and not self.why_not_recorded(spec, metas):
+                    # The eager pass is the recording (``static`` runs one forward per shape).
+                    outputs, recordings[spec.label] = self._record(spec, metas)
+                else:
+                    outputs = self.forward(spec, metas)
                 if self.backend == "static":
                     eager_outputs[spec.label] = outputs
                 result.order.append(("eager", spec.label))
@@ -229,23 +269,34 @@ class GraphCapturer:
                     spec,
                     eager_outputs.pop(spec.label, None),
                     None if layouts is None else layouts[spec.label],
+                    recordings.pop(spec.label, None),
                 )
                 result.graphs.append(graph)
                 result.order.append(("capture", spec.label))
                 if on_graph is not None:
                     on_graph(len(result.graphs), len(specs), spec.label)
+        if self.backend == "static" and self.runner.device.type == "cpu":
+            result.notes.append(recording_note(result.graphs))
         return result
 
     def _capture_one(
-        self, spec: GraphSpec, eager_outputs: Outputs | None = None, layout: OutputLayout | None = None
+        self,
+        spec: GraphSpec,
+        eager_outputs: Outputs | None = None,
+        layout: OutputLayout | None = None,
+        recorded: CpuProgram | Refused | None = None,
     ) -> CapturedGraph:
         """Capture ``spec``. ``static`` only: ``eager_outputs``, its eager pass's outputs, kept as the
-        static outputs instead of running the same forward again; or ``layout``, the cached layout
-        of those outputs, allocated (zeroed) without any forward."""
+        static outputs instead of running the same forward again, and ``recorded``, that pass's
+        recording when it was recorded; or ``layout``, the cached layout of those outputs,
+        allocated (zeroed) without any forward unless the graph records (then its forward is
+        recorded here)."""
         runner = self.runner
         self.load(spec)
         metas = self.metadata(spec)
         backend = runner.attn_backend
+        program: CpuProgram | None = None
+        why_not = ""
         self._sync()
         start = time.perf_counter()
         if self.backend == "cuda":
@@ -267,6 +318,13 @@ class GraphCapturer:
         else:
             forward = self._compiled(spec, metas) if self.backend == "compile" else None
             backend.prepare_for_capture(metas)
+            why_not = self.why_not_recorded(spec, metas)
+            if not why_not and (recorded is None or eager_outputs is None):
+                eager_outputs, recorded = self._record(spec, metas)
+            if isinstance(recorded, Refused):
+                why_not = recorded.reason
+            elif recorded is not None:
+                program = recorded
             if eager_outputs is not None:
                 output, aux = eager_outputs
             elif layout is not None and forward is None:
@@ -274,16 +332,50 @@ class GraphCapturer:
             else:
                 output, aux = forward() if forward is not None else self.forward(spec, metas)
             memory = sum(t.numel() * t.element_size() for t in (output, *aux))
+            if program is not None:
+                # The recording's intermediates stay allocated with it (the outputs among them).
+                memory = max(memory, program.scratch_bytes)
+                recorded_program = program
 
-            def replay() -> None:
-                backend.prepare_for_replay(metas)
-                new, new_aux = forward() if forward is not None else self.forward(spec, metas)
-                output.copy_(new)
-                for static, fresh in zip(aux, new_aux, strict=True):
-                    static.copy_(fresh)
+                def replay() -> None:
+                    backend.prepare_for_replay(metas)
+                    recorded_program.replay()
+
+            else:
+
+                def replay() -> None:
+                    backend.prepare_for_replay(metas)
+                    new, new_aux = forward() if forward is not None else self.forward(spec, metas)
+                    output.copy_(new)
+                    for static, fresh in zip(aux, new_aux, strict=True):
+                        static.copy_(fresh)
 
         seconds = time.perf_counter() - start
-        return CapturedGraph(spec, metas, output, replay, seconds, memory, aux)
+        return CapturedGraph(spec, metas, output, replay, seconds, memory, aux, program, why_not)
+
+    def _record(
+        self, spec: GraphSpec, metas: dict[str, AttentionMetadata]
+    ) -> tuple[Outputs, CpuProgram | Refused]:
+        """One forward of ``spec``, recorded (:func:`.cpu_program.record`): its outputs are the
+        graph's, and the program recomputes them in place."""
+        # Attention plans are derived inside the recording, so replays rederive them.
+        self.runner.attn_backend.prepare_for_capture(metas)
+        return record(lambda: self.forward(spec, metas))
+
+    def why_not_recorded(self, spec: GraphSpec, metas: Mapping[str, AttentionMetadata]) -> str:
+        """Why ``spec``'s forward is not recorded (:mod:`.cpu_program`) but run again at each replay
+        ('' when it is recorded): only ``static`` graphs on CPU record, up to
+        :data:`RECORD_MAX_TOKENS` tokens; never with Mamba state columns (planned on the host before
+        each pass) or tensor-parallel ranks (their all-reduces synchronise on the host)."""
+        if self.backend != "static" or self.runner.device.type != "cpu":
+            return f"the {self.backend} backend on {self.runner.device.type} does not record CPU programs"
+        if spec.num_tokens > RECORD_MAX_TOKENS:
+            return f"{spec.num_tokens} tokens, past the recording limit of {RECORD_MAX_TOKENS}"
+        if self.runner.config.tensor_parallel_size > 1:
+            return "tensor-parallel ranks synchronise their all-reduces on the host"
+        if any(isinstance(m, MambaMetadata) for m in metas.values()):
+            return "Mamba state columns are planned on the host before each pass"
+        return ""
 
     def _compiled(self, spec: GraphSpec, metas: dict[str, AttentionMetadata]) -> Callable[[], Outputs]:
         return torch.compile(lambda: self.forward(spec, metas), dynamic=False, fullgraph=False)

@@ -14,10 +14,11 @@ BACKEND_EXPLAINED = {
     "cuda": "CUDA graphs were recorded with torch.cuda.CUDAGraph into one shared memory pool and "
     "replayed on real batches padded to the captured sizes.",
     "static": "No CUDA graph was recorded on this machine. The 'static' backend runs the same "
-    "capture and replay code over the same static input buffers, but 'replay' re-runs the eager "
+    "capture and replay code over the same static input buffers; on CPU a small graph replays a "
+    "recording of its forward's kernel calls (the notes say which), any other re-runs the eager "
     "forward on those buffers. It proves the padding and buffer handling (replay equals eager, "
     "padded rows never touch real rows); it says nothing about CUDA-graph speed or memory, which "
-    "are shown as the size of the static output buffers.",
+    "are shown as the size of the static output buffers (or of a recording's intermediates).",
     "compile": "Each shape was compiled with torch.compile over the static input buffers; no CUDA "
     "graph was recorded.",
     "eager": "No graph was captured (enforce_eager): every pass ran eagerly.",

@@ -29,7 +29,7 @@ from functools import cache
 import torch
 
 from warmcap.kernels.cpu.build import load_library
-from warmcap.kernels.cpu.policy import CpuOperator, kernel_can_take, load_by_mode
+from warmcap.kernels.cpu.policy import CpuOperator, c_call, kernel_can_take, load_by_mode
 
 log = logging.getLogger("warmcap.models")
 
@@ -123,12 +123,20 @@ def built_lanes() -> int:
 #: the scratch each thread transposes inputs into, kept between calls (a fresh multi-megabyte
 #: buffer per call costs page faults)
 _scratch = threading.local()
+#: every scratch buffer ever made, kept for the process: a recorded CPU graph
+#: (``graphs/capture/cpu_program.py``) replays launches with the scratch address they had, so a
+#: buffer outgrown later, or whose thread ended, must stay allocated (each thread's double, so its
+#: outgrown ones sum to less than its largest)
+_made: list[torch.Tensor] = []
 
 
 def _scratch_of(floats: int) -> torch.Tensor:
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < floats:
-        buf = _scratch.buf = torch.empty(floats, dtype=torch.float32)
+        buf = _scratch.buf = torch.empty(
+            max(floats, 0 if buf is None else 2 * buf.numel()), dtype=torch.float32
+        )
+        _made.append(buf)
     return buf
 
 
@@ -168,8 +176,8 @@ def _run(
     out = torch.empty((m, n), dtype=torch.float32)
     if m and n:
         scratch = _scratch_of(padded(m) * k)  # row tiles of 16, [K, 16] each
-        fn = _entry_points()[1 if silu else 0]
-        fn(
+        c_call(
+            _entry_points()[1 if silu else 0],
             x2.data_ptr(),
             x2.stride(0),
             blocks.data_ptr(),

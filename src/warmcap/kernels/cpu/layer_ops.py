@@ -22,7 +22,7 @@ from functools import cache
 import torch
 
 from warmcap.kernels.cpu.build import load_library
-from warmcap.kernels.cpu.policy import CpuOperator, kernel_can_take, load_by_mode
+from warmcap.kernels.cpu.policy import CpuOperator, c_call, kernel_can_take, load_by_mode
 
 log = logging.getLogger("warmcap.models")
 
@@ -69,7 +69,8 @@ def _norm(
     eps: float,
 ) -> None:
     """``warmcap_rms_norm`` on checked tensors: ``out`` = norm of x (+ delta, stored to h)."""
-    _c().rms_norm(
+    c_call(
+        _c().rms_norm,
         out.data_ptr(),
         None if h is None else h.data_ptr(),
         x.data_ptr(),
@@ -155,7 +156,8 @@ def _rope_cpu(x, cos, sin):
     if not (_rope_takes(x, cos, sin) and kernel_can_take(x, cos, sin)):
         _refuse("rope_", "x must be float32 [T, H, D] (D even, unit stride) and cos/sin [T, D] alike")
     t, heads, d = x.shape
-    _c().rope(
+    c_call(
+        _c().rope,
         x.data_ptr(),
         x.stride(0),
         x.stride(1),
@@ -180,7 +182,8 @@ def _greedy_cpu(approx, cx, absolute, norms, scratch):
     m, v = approx.shape
     lo = torch.empty((m, 1), dtype=torch.float32)
     ids = scratch[: 8 * v].view(torch.int64)
-    k = _c().greedy(
+    k = c_call(
+        _c().greedy,
         approx.data_ptr(),
         approx.stride(0),
         cx.data_ptr(),

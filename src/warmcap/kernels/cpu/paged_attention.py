@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from warmcap.kernels.cpu.build import KernelBuildError, load_library
-from warmcap.kernels.cpu.policy import CpuOperator, load_by_mode
+from warmcap.kernels.cpu.policy import CpuOperator, c_call, load_by_mode
 
 if TYPE_CHECKING:
     from warmcap.contracts.metadata import AttentionMetadata
@@ -163,7 +163,7 @@ def _paged_attention_cpu(q, kv_cache, block_table, seq_lens, query_start_loc, sc
         p.k, p.k_stride_t, p.k_stride_h = k.data_ptr(), k.stride(0), k.stride(1)
         p.v, p.v_stride_t, p.v_stride_h = v.data_ptr(), v.stride(0), v.stride(1)
         p.slots, p.num_writes = slots.data_ptr(), k.shape[0]
-    status = _entry_point()(ctypes.byref(p))
+    status = c_call(_entry_point(), ctypes.byref(p))
     if status != 0:
         raise RuntimeError(f"CPU paged attention failed: {_STATUS.get(status, f'status {status}')}")
     return out

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -103,11 +105,16 @@ class CpuOperator:
         self.impl = impl
         #: the registered operator (``torch.ops.warmcap.<name>.default``)
         self.op = getattr(torch.ops.warmcap, name).default
+        OPERATORS[qualified] = self
 
     def __call__(self, *args: Any) -> Any:
         if unwatched(args):
             return self.impl(*args)
         return self.op(*args)
+
+
+#: every compiled kernel's operator by its qualified name (``warmcap::gemm``)
+OPERATORS: dict[str, CpuOperator] = {}
 
 
 def unwatched(args: tuple[Any, ...]) -> bool:
@@ -126,3 +133,34 @@ def unwatched(args: tuple[Any, ...]) -> bool:
             continue
         return False
     return True
+
+
+#: where this thread's C calls are reported while a recording watches them (:func:`c_calls_to`)
+_sinks = threading.local()
+
+#: ``sink(fn, args, result)``: told of each C call a recording watches
+CallSink = Callable[[Any, tuple[Any, ...], Any], None]
+
+
+def c_call(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` for a C entry point of a compiled kernel, reported to the sink of a recording
+    in progress on this thread (:func:`c_calls_to`). Every kernel implementation calls its C code
+    through here, so a recorded CPU graph (``graphs/capture/cpu_program.py``) sees each launch with
+    the exact arguments (pointers, sizes, thread count) it was made with."""
+    result = fn(*args)
+    sink = getattr(_sinks, "sink", None)
+    if sink is not None:
+        sink(fn, args, result)
+    return result
+
+
+@contextmanager
+def c_calls_to(sink: CallSink | None) -> Iterator[None]:
+    """Report this thread's :func:`c_call` launches to ``sink`` inside the block (None: to nobody);
+    the sink outside it is restored after."""
+    before = getattr(_sinks, "sink", None)
+    _sinks.sink = sink
+    try:
+        yield
+    finally:
+        _sinks.sink = before
