@@ -42,6 +42,7 @@ time of a decode step whose tokens sit at positions 200..900 over one at positio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -209,14 +210,16 @@ def child_split(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(batch):
                     engine.add_request({"prompt_token_ids": prompt_ids(args.prompt_len, 1 + i)}, params)
                 timers.take()
-                while engine.has_unfinished():
-                    engine.step()
-                    phases = timers.take()
-                    runner = engine.runner
-                    step = runner.last_step
-                    decode = step is not None and int(step.num_tokens) == step.num_reqs == batch
-                    if rep == 1 and decode:
-                        steps.append(phases)
+                # As generate and the server's loop drive it: thread pinning held across the steps.
+                with getattr(engine, "steps_pinned", contextlib.nullcontext)():
+                    while engine.has_unfinished():
+                        engine.step()
+                        phases = timers.take()
+                        runner = engine.runner
+                        step = runner.last_step
+                        decode = step is not None and int(step.num_tokens) == step.num_reqs == batch
+                        if rep == 1 and decode:
+                            steps.append(phases)
             out[f"{model} b{batch}"] = summarize(steps)
         llm.shutdown()
         del llm, engine
@@ -318,18 +321,19 @@ def child_positions(args: argparse.Namespace) -> dict[str, Any]:
         walls: dict[str, list[float]] = {"early": [], "late": []}
         hosts: dict[str, list[float]] = {"early": [], "late": []}
         timers.take()
-        while engine.has_unfinished():
-            start = time.perf_counter()
-            engine.step()
-            wall = time.perf_counter() - start
-            phases = timers.take()
-            step = engine.runner.last_step
-            if step is None or int(step.num_tokens) != step.num_reqs or step.num_reqs != batch:
-                continue
-            pos = int(engine.runner.last_positions[0])
-            key = "early" if pos < split else "late"
-            walls[key].append(wall)
-            hosts[key].append(sum(v for k, v in phases.items() if k not in DEVICE_PHASES))
+        with getattr(engine, "steps_pinned", contextlib.nullcontext)():
+            while engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - start
+                phases = timers.take()
+                step = engine.runner.last_step
+                if step is None or int(step.num_tokens) != step.num_reqs or step.num_reqs != batch:
+                    continue
+                pos = int(engine.runner.last_positions[0])
+                key = "early" if pos < split else "late"
+                walls[key].append(wall)
+                hosts[key].append(sum(v for k, v in phases.items() if k not in DEVICE_PHASES))
         early, late = statistics.fmean(walls["early"]), statistics.fmean(walls["late"])
         ratio = late / early
         if not best or ratio < best["ratio"]:

@@ -535,6 +535,13 @@ class LLMEngine:
         threads = getattr(self, "cpu_threads", None)
         return contextlib.nullcontext() if threads is None else threads.pinned()
 
+    def steps_pinned(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the CPU thread pinning across every :meth:`step` this thread makes inside the block
+        (``generate`` does): a step inside it sets and restores no affinity of its own
+        (``kernels/cpu/threads.CpuThreads.pinned``). A thread started inside the block inherits the
+        one core, so callers that run other work between steps (the server) pin per step."""
+        return self._pinned()
+
     def _release_rows(self, req_ids: set[str]) -> None:
         """Drop ``req_ids`` from the runner's persistent batch now: the failed step may never have
         delivered them, and a preempted request must not find its old row when it resumes."""
@@ -602,7 +609,7 @@ class LLMEngine:
     def _run_to_completion(self, req_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         tracked = {r: self._requests[r] for r in req_ids}
         done: dict[str, RequestOutput] = {}
-        with progress_bar(len(req_ids), enabled=use_tqdm) as advance:
+        with progress_bar(len(req_ids), enabled=use_tqdm) as advance, self.steps_pinned():
             while len(done) < len(req_ids) and self.has_unfinished():
                 for out in self.step():
                     if out.finished and out.request_id in tracked and out.request_id not in done:

@@ -203,6 +203,49 @@ def test_an_engine_pins_its_team_and_gives_its_thread_back_between_steps():
         torch.set_num_threads(saved)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only")
+def test_generate_pins_once_around_its_steps_not_once_a_step(monkeypatch):
+    from warmcap.llm import LLM
+    from warmcap.sampling_params import SamplingParams
+
+    before = os.sched_getaffinity(0)
+    saved = torch.get_num_threads()
+    try:
+        threads = min(2, len(before))
+        llm = LLM(
+            "tiny-llama",
+            device="cpu",
+            enforce_eager=True,
+            max_num_seqs=2,
+            max_model_len=64,
+            cpu_threads=threads,
+        )
+        plan = llm.engine.cpu_threads.plan
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        llm.generate([[5, 6, 7]], params)  # the team is pinned by the first step
+        calls: list[object] = []
+        real = os.sched_setaffinity
+        steps = {"n": 0}
+        real_step = llm.engine.step
+
+        def counted_step():
+            steps["n"] += 1
+            # Inside generate, between steps, the thread stays on the plan's first core.
+            assert os.sched_getaffinity(0) == ({plan.cpus[0]} if plan.pin else before)
+            return real_step()
+
+        monkeypatch.setattr(
+            os, "sched_setaffinity", lambda pid, cpus: (calls.append(cpus), real(pid, cpus))[1]
+        )
+        monkeypatch.setattr(llm.engine, "step", counted_step)
+        llm.generate([[5, 6, 7]], params)
+        assert steps["n"] >= 12
+        assert len(calls) == (2 if plan.pin else 0)  # pinned once, restored once
+        assert os.sched_getaffinity(0) == before
+    finally:
+        torch.set_num_threads(saved)
+
+
 def threading_native_id() -> int:
     import threading
 

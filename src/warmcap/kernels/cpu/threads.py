@@ -28,12 +28,12 @@ One policy for every place a CPU engine starts (``LLMEngine``, a tensor-parallel
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
@@ -253,6 +253,8 @@ class CpuThreads:
         torch.set_num_threads(plan.threads)
         self._pinned_for: set[int] = set()
         self._lock = threading.Lock()
+        #: per thread: whether it is inside a :meth:`pinned` block (an inner one changes nothing)
+        self._held = threading.local()
         #: the kernel thread ids of the team, once pinned (thread 0 first)
         self.team_tids: tuple[int, ...] = ()
         log.info("model threads: %s", plan.why)
@@ -285,10 +287,28 @@ class CpuThreads:
             self._pinned_for.add(threading.get_ident())
         return True
 
-    @contextmanager
-    def pinned(self) -> Iterator[None]:
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
         """Run the block with the calling thread pinned to the plan's first core (and its team's
-        pool threads pinned, once per calling thread); the thread's own cores are restored after."""
+        pool threads pinned, once per calling thread); the thread's own cores are restored after.
+
+        Re-entrant: inside another ``pinned`` block of the same thread (``LLM.generate`` holds one
+        around its steps, each step one of its own) nothing is set or restored, which saves a step
+        its three affinity system calls."""
+        if getattr(self._held, "on", False):
+            return contextlib.nullcontext()
+        return self._hold()
+
+    @contextlib.contextmanager
+    def _hold(self) -> Iterator[None]:
+        self._held.on = True
+        try:
+            with self._pin():
+                yield
+        finally:
+            self._held.on = False
+
+    @contextlib.contextmanager
+    def _pin(self) -> Iterator[None]:
         if not self.plan.pin or not hasattr(os, "sched_setaffinity"):
             yield
             return
