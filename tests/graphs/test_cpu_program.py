@@ -57,6 +57,12 @@ def test_a_recording_replays_functional_and_in_place_ops_on_new_values() -> None
     out, program = record(forward)
     assert isinstance(program, CpuProgram)
     assert out.tolist() == [-1.0, -1.0, 7.0, 10.0]
+    # Functional ops replay through their out= overloads into the recorded tensors (no allocation).
+    assert {str(c.func) for c in program._calls if type(c).__name__ == "_Out"} >= {
+        "aten.add.out",
+        "aten.where.self_out",
+        "aten.gt.Scalar_out",
+    }
     a.copy_(torch.tensor([2.0, 0.0, 1.0, 5.0]))
     b.fill_(0.5)
     program.replay()

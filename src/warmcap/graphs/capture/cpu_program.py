@@ -145,7 +145,7 @@ class _Recorder(TorchDispatchMode):
         else:
             self.allocated(out)
             results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.calls.append(_Into(func, args, kwargs, results))
+            self.calls.append(_functional(func, args, kwargs, results))
         return out
 
     def _kernel(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -247,6 +247,42 @@ class _Launch:
 @dataclass(frozen=True, slots=True)
 class _Call:
     """An in-place op, called again on the same tensors."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def __call__(self) -> None:
+        self.func(*self.args, **self.kwargs)
+
+
+def _functional(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], results: list[torch.Tensor]) -> Any:
+    """The replay of a functional op: its ``out=`` overload writing the recorded result in place
+    where it has one that gives the same bits now (no allocation, no copy), else :class:`_Into`."""
+    if len(results) == 1 and "out" not in kwargs:
+        # ``add.Tensor`` -> ``add.out``, ``ge.Scalar`` -> ``ge.Scalar_out``
+        name = func._overloadname
+        out_overload = getattr(func.overloadpacket, "out" if name == "default" else f"{name}_out", None)
+        if out_overload is None and name != "default":
+            out_overload = getattr(func.overloadpacket, "out", None)
+        if out_overload is not None and [a.name for a in out_overload._schema.arguments if a.is_out] == [
+            "out"
+        ]:
+            kept = results[0]
+            try:
+                check = torch.empty_like(kept)
+                out_overload(*args, **kwargs, out=check)
+            except (RuntimeError, TypeError):
+                pass
+            else:
+                if check.shape == kept.shape and check.stride() == kept.stride() and torch.equal(check, kept):
+                    return _Out(out_overload, args, {**kwargs, "out": kept})
+    return _Into(func, args, kwargs, results)
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """A functional op through its ``out=`` overload, into the tensor the recording produced."""
 
     func: Any
     args: tuple[Any, ...]
