@@ -50,16 +50,26 @@ class GraphRunner:
             {(g.spec.subject, g.spec.phase, g.spec.descriptor): 0 for g in graphs}
         )
         self._eager: Counter[str] = Counter()
+        #: per (graph, real tokens): its count key, the replay it returns (views of the graph's
+        #: static outputs, the same every time) and replays not yet added to ``_replays``
+        self._served: dict[tuple[int, int], list[Any]] = {}
 
     @property
     def replays(self) -> dict[BatchDescriptor, int]:
         """Target replays per descriptor."""
-        return {d: n for (s, _, d), n in self._replays.items() if s == TARGET}
+        return {d: n for (s, _, d), n in self._counts().items() if s == TARGET}
 
     @property
     def draft_replays(self) -> dict[tuple[str, BatchDescriptor], int]:
         """Drafter replays per ``(phase, descriptor)``."""
-        return {(p, d): n for (s, p, d), n in self._replays.items() if s == DRAFTER}
+        return {(p, d): n for (s, p, d), n in self._counts().items() if s == DRAFTER}
+
+    def _counts(self) -> Counter[tuple[str, str, BatchDescriptor]]:
+        for served in self._served.values():
+            if served[2]:
+                self._replays[served[0]] += served[2]
+                served[2] = 0
+        return self._replays
 
     @property
     def eager_steps(self) -> int:
@@ -94,6 +104,10 @@ class GraphRunner:
         graph = self._graphs[key][descriptor]
         subject.load(graph.spec, inputs)
         graph.replay_fn()
-        self._replays[(name, graph.spec.phase, descriptor)] += 1
         t = inputs.num_tokens
-        return GraphReplay(graph.output[:t], [a[:t] for a in graph.aux], graph.metas)
+        served = self._served.get((id(graph), t))
+        if served is None:
+            replay = GraphReplay(graph.output[:t], [a[:t] for a in graph.aux], graph.metas)
+            served = self._served[(id(graph), t)] = [(name, graph.spec.phase, descriptor), replay, 0]
+        served[2] += 1
+        return served[1]
