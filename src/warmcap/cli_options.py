@@ -158,6 +158,17 @@ StartupCache = Annotated[
 ]
 
 
+RecordCpuGraphs = Annotated[
+    bool,
+    typer.Option(
+        "--record-cpu-graphs/--no-record-cpu-graphs",
+        help="On CPU, static graphs of up to 32 tokens replay a recording of their forward's kernel calls "
+        "(default: on; each is still verified against eager); --no-record-cpu-graphs runs the forward "
+        "at every replay.",
+    ),
+]
+
+
 def startup_options(
     *,
     backend: str | None,
@@ -165,6 +176,7 @@ def startup_options(
     audit: bool = STARTUP_DEFAULTS.audit,
     audit_serving: bool = STARTUP_DEFAULTS.audit_serving,
     startup_cache: bool = STARTUP_DEFAULTS.startup_cache,
+    record_cpu_graphs: bool = STARTUP_DEFAULTS.record_cpu_graphs,
 ) -> StartupOptions:
     """The command's start-up options as one record (``--capture-sizes`` parsed)."""
     from warmcap.graphs.capture.sizes import parse_capture_sizes
@@ -176,6 +188,7 @@ def startup_options(
         audit=audit,
         audit_serving=audit_serving,
         startup_cache=startup_cache,
+        record_cpu_graphs=record_cpu_graphs,
     )
 
 
@@ -186,6 +199,7 @@ STARTUP_OPTION_TYPES: dict[str, Any] = {
     "audit": Audit,
     "audit_serving": AuditServing,
     "startup_cache": StartupCache,
+    "record_cpu_graphs": RecordCpuGraphs,
 }
 
 

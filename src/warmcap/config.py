@@ -555,6 +555,9 @@ class StartupOptions:
     #: reuse graph verdicts of an identical earlier start, verifying one graph per phase afresh
     #: (``graphs/proof/startup_cache.py``; the cache is ``$WARMCAP_STARTUP_CACHE``)
     startup_cache: bool = True
+    #: ``static`` graphs on CPU replay a recording of their forward's kernel calls where they can
+    #: (``graphs/capture/cpu_program.py``); off: every replay runs the forward
+    record_cpu_graphs: bool = True
 
     def __post_init__(self) -> None:
         _require(
@@ -569,7 +572,7 @@ class StartupOptions:
                 f"capture_sizes {self.capture_sizes!r} must be token counts >= 1, e.g. (1, 2, 4, 8)",
             )
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
-        for name in ("audit", "audit_serving", "startup_cache"):
+        for name in ("audit", "audit_serving", "startup_cache", "record_cpu_graphs"):
             _require(
                 isinstance(getattr(self, name), bool),
                 f"{name} must be True or False, got {getattr(self, name)!r}",

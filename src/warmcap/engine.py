@@ -78,6 +78,7 @@ def startup_hooks_for(startup: StartupOptions, *, strict: bool = True) -> list[S
             backend=startup.backend,
             capture_sizes=sizes,
             startup_cache=startup.startup_cache,
+            record_cpu_graphs=startup.record_cpu_graphs,
         ),
     ]
 

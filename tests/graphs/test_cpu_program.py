@@ -181,3 +181,25 @@ def test_recorded_graphs_serve_the_same_tokens_as_eager_after_a_long_prefill() -
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert sum(graphs.replays.values()) >= 20
+
+
+def test_recording_can_be_turned_off_and_keeps_its_own_start_up_verdicts(tmp_path, monkeypatch) -> None:
+    """``record_cpu_graphs=False`` (``--no-record-cpu-graphs``): every replay runs the forward, the
+    notes say so, tokens are the recorded engine's; the start-up cache keeps the two apart (the
+    graphs replay different code)."""
+    monkeypatch.setenv("WARMCAP_STARTUP_CACHE", str(tmp_path))
+    prompts = [list(range(30, 42)), list(range(50, 57))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kwargs = {"device": "cpu", "max_num_seqs": 2, "max_model_len": 64, "capture_sizes": (1, 2)}
+    recorded = LLM("tiny-llama", **kwargs)
+    want = [o.outputs[0].token_ids for o in recorded.generate(prompts, params)]
+    recorded.shutdown()
+    off = LLM("tiny-llama", record_cpu_graphs=False, **kwargs)
+    startup = off.engine.graph_startup
+    graphs = [g for by in off.engine.runner.graphs._graphs.values() for g in by.values()]
+    assert graphs and all(g.program is None and "recording is off" in g.not_recorded for g in graphs)
+    assert any("0 of" in n and "recording is off" in n for n in startup.notes)
+    assert startup.startup_cache is not None and startup.startup_cache.hits == 0
+    assert [o.outputs[0].token_ids for o in off.generate(prompts, params)] == want
+    assert sum(off.engine.runner.graphs.replays.values()) > 0
+    off.shutdown()

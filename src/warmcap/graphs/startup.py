@@ -164,6 +164,7 @@ def capture_graphs(
     startup_cache: Path | None = None,
     model_dir: Path | None = None,
     plan_backend: str | None = None,
+    record_cpu_graphs: bool = True,
 ) -> GraphStartup:
     """Capture the runner's target and drafter graphs, verify each (I4), and attach them for
     serving (``runner.attach_graphs``). ``report`` is
@@ -175,10 +176,14 @@ def capture_graphs(
     reused, and one graph per phase is still verified for real; ``compile`` points torch's
     inductor caches there too. ``plan_backend``: capture the graphs that backend plans
     (``static`` capture of the ``cuda`` plan: which steps a GPU would replay, on CPU).
+    ``record_cpu_graphs``: ``static`` graphs on CPU replay recordings of their forward where they
+    can (:mod:`warmcap.graphs.capture.cpu_program`); False: every replay runs the forward.
     """
     say = report or _silent
     chosen = backend or default_backend(runner)
-    capturer = GraphCapturer(runner, chosen, capture_sizes=capture_sizes, plan_backend=plan_backend)
+    capturer = GraphCapturer(
+        runner, chosen, capture_sizes=capture_sizes, plan_backend=plan_backend, record=record_cpu_graphs
+    )
     cache = None
     if startup_cache is not None:
         if model_dir is None:
@@ -260,7 +265,8 @@ def _open_cache(
         model_dir=model_dir,
         modules=[m for subject in capturer.subjects.values() for m in subject.modules()],
         config=runner.config,
-        backend=capturer.backend,
+        # Recorded and unrecorded graphs replay different code: their verdicts are kept apart.
+        backend=capturer.backend if capturer.record else f"{capturer.backend} (not recorded)",
         num_blocks=manager.pool.num_blocks,
         specs=[*capturer.plan.specs, *capturer.draft_plan.specs],
     )

@@ -173,6 +173,7 @@ class GraphCapturer:
         capture_sizes: list[int] | None = None,
         drafter_graphs: bool = True,
         plan_backend: str | None = None,
+        record: bool = True,
     ):
         check_backend(backend)
         if backend == "cuda" and not (torch.cuda.is_available() and runner.device.type == "cuda"):
@@ -182,6 +183,8 @@ class GraphCapturer:
             )
         self.runner = runner
         self.backend = backend
+        #: whether ``static`` graphs on CPU record their forward (:meth:`why_not_recorded`)
+        self.record = record
         self.capture_sizes = capture_sizes
         # ``plan_backend``: capture the graphs another backend would (``static`` following the
         # ``cuda`` plan shows on CPU which steps a GPU run replays).
@@ -369,6 +372,8 @@ class GraphCapturer:
         each pass) or tensor-parallel ranks (their all-reduces synchronise on the host)."""
         if self.backend != "static" or self.runner.device.type != "cpu":
             return f"the {self.backend} backend on {self.runner.device.type} does not record CPU programs"
+        if not self.record:
+            return "recording is off (--no-record-cpu-graphs)"
         if spec.num_tokens > RECORD_MAX_TOKENS:
             return f"{spec.num_tokens} tokens, past the recording limit of {RECORD_MAX_TOKENS}"
         if self.runner.config.tensor_parallel_size > 1:
