@@ -178,9 +178,28 @@ static inline __attribute__((always_inline)) int attend_position(
     float *inv_sum = acc + (int64_t)heads * d;
     for (int32_t head = 0; head < heads; ++head) {
         float *sg = scores + (int64_t)head * n;
+        /* The largest score, lane by lane and then across the lanes. NOTE: the scalar loop's one
+         * chain of dependent comparisons per key was a sixth of a long-context step. The result
+         * is the scalar loop's: NaN when the first score is (no comparison with it succeeds),
+         * else the largest non-NaN score; of equal largest scores +0 and -0 only may differ in
+         * which one is kept, and e^(x - m) is the same for both. */
         float m = sg[0];
-        for (int32_t j = 1; j < n; ++j) {
-            m = sg[j] > m ? sg[j] : m;
+        int32_t i0 = 0;
+        if (n >= 2 * VL) {
+            vecf mv = (vecf){0} + m;
+            for (; i0 + VL <= n; i0 += VL) {
+                const vecf x = loadv(sg + i0);
+                const veci more = x > mv;
+                mv = (vecf)(((veci)x & more) | ((veci)mv & ~more));
+            }
+            float lanes[VL];
+            memcpy(lanes, &mv, sizeof mv);
+            for (int32_t i = 0; i < VL; ++i) {
+                m = lanes[i] > m ? lanes[i] : m;
+            }
+        }
+        for (; i0 < n; ++i0) {
+            m = sg[i0] > m ? sg[i0] : m;
         }
         /* The weights as one map the compiler vectorises, then their sum in position order. NOTE: a
          * reduction in the same loop kept the whole loop scalar (a third of a long-context decode
