@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import LlamaConfig
@@ -74,3 +76,17 @@ def make_rig(
     manager = KVCacheManager(groups, NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
     runner = ModelRunner(config, model, groups, NUM_BLOCKS, device="cpu", attn_backend=TorchPagedAttention())
     return Rig(config, model, manager, runner)
+
+
+def count_forwards(capturer: Any) -> Counter[str]:
+    """Count, by graph label, the forwards ``capturer``'s subjects run from now on."""
+    calls: Counter[str] = Counter()
+    for subject in capturer.subjects.values():
+        honest = subject.forward
+
+        def counted(spec, metas, honest=honest):
+            calls[spec.label] += 1
+            return honest(spec, metas)
+
+        subject.forward = counted
+    return calls

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import jsonschema
 import pytest
 import torch
-from graph_fixtures import NUM_BLOCKS, make_rig
+from graph_fixtures import NUM_BLOCKS, count_forwards, make_rig
 from rich.console import Console
 
 from warmcap.errors import ConfigError
@@ -98,15 +97,7 @@ def test_static_capture_runs_each_shape_once_and_still_replays_like_eager() -> N
     rig = make_rig(k=1)
     # Capture alone (the CUDA-safety trace is the proof's, graphs/proof/safety.py).
     capturer = GraphCapturer(rig.runner, "static", capture_sizes=[1, 2, 4])
-    calls: Counter[str] = Counter()
-    for subject in capturer.subjects.values():
-        honest_forward = subject.forward
-
-        def counted(spec, metas, honest_forward=honest_forward):
-            calls[spec.label] += 1
-            return honest_forward(spec, metas)
-
-        subject.forward = counted
+    calls = count_forwards(capturer)
     result = capturer.capture()
     # The eager pass is the capture: no second forward over the same all-padding inputs.
     assert calls == {g.spec.label: 1 for g in result.graphs}

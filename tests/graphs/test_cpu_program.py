@@ -5,11 +5,10 @@ refused with the reason, and the graph then runs its forward as before."""
 from __future__ import annotations
 
 import ctypes
-from collections import Counter
 
 import pytest
 import torch
-from graph_fixtures import make_rig
+from graph_fixtures import count_forwards, make_rig
 
 from warmcap.graphs.capture import capturer as capture_module
 from warmcap.graphs.capture.capturer import GraphCapturer
@@ -130,15 +129,7 @@ def test_small_static_graphs_on_cpu_replay_their_recording_and_not_the_forward()
     graphs = capturer.capture().graphs
     assert graphs and all(g.program is not None and g.not_recorded == "" for g in graphs)
     assert all(g.program.kernel_calls > 0 for g in graphs if g.program is not None)
-    forwards: Counter[str] = Counter()
-    for subject in capturer.subjects.values():
-        honest = subject.forward
-
-        def counted(spec, metas, honest=honest):
-            forwards[spec.label] += 1
-            return honest(spec, metas)
-
-        subject.forward = counted
+    forwards = count_forwards(capturer)
     for g in graphs:
         g.replay_fn()
         replayed = g.output.clone()

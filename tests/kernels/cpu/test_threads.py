@@ -176,21 +176,13 @@ def _allowed(tid: int) -> str:
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only")
 def test_an_engine_pins_its_team_and_gives_its_thread_back_between_steps():
-    from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
 
     threads = min(2, len(os.sched_getaffinity(0)))
     before = os.sched_getaffinity(0)
     saved = torch.get_num_threads()
     try:
-        llm = LLM(
-            "tiny-llama",
-            device="cpu",
-            enforce_eager=True,
-            max_num_seqs=2,
-            max_model_len=64,
-            cpu_threads=threads,
-        )
+        llm = _small_engine(threads)
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         plan = llm.engine.cpu_threads.plan
         assert plan.pin and plan.threads == threads == torch.get_num_threads()
@@ -205,21 +197,12 @@ def test_an_engine_pins_its_team_and_gives_its_thread_back_between_steps():
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux-only")
 def test_generate_pins_once_around_its_steps_not_once_a_step(monkeypatch):
-    from warmcap.llm import LLM
     from warmcap.sampling_params import SamplingParams
 
     before = os.sched_getaffinity(0)
     saved = torch.get_num_threads()
     try:
-        threads = min(2, len(before))
-        llm = LLM(
-            "tiny-llama",
-            device="cpu",
-            enforce_eager=True,
-            max_num_seqs=2,
-            max_model_len=64,
-            cpu_threads=threads,
-        )
+        llm = _small_engine(min(2, len(before)))
         plan = llm.engine.cpu_threads.plan
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         llm.generate([[5, 6, 7]], params)  # the team is pinned by the first step
@@ -244,6 +227,14 @@ def test_generate_pins_once_around_its_steps_not_once_a_step(monkeypatch):
         assert os.sched_getaffinity(0) == before
     finally:
         torch.set_num_threads(saved)
+
+
+def _small_engine(threads: int):
+    from warmcap.llm import LLM
+
+    return LLM(
+        "tiny-llama", device="cpu", enforce_eager=True, max_num_seqs=2, max_model_len=64, cpu_threads=threads
+    )
 
 
 def threading_native_id() -> int:
