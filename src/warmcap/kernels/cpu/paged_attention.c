@@ -213,11 +213,33 @@ static inline __attribute__((always_inline)) int attend_position(
         for (; j < n; ++j) {
             sg[j] = exp_nonpositive(sg[j] - m);
         }
-        float sum = 0.0f;
-        for (int32_t j = 0; j < n; ++j) {
-            sum += sg[j];
+    }
+    /* Each head's weights summed in position order, four heads at a time: four independent chains
+     * of additions instead of one (the same order within each head, so the same bits). */
+    {
+        int32_t head = 0;
+        for (; head + 4 <= heads; head += 4) {
+            const float *s0 = scores + (int64_t)head * n, *s1 = s0 + n, *s2 = s1 + n, *s3 = s2 + n;
+            float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+            for (int32_t j = 0; j < n; ++j) {
+                t0 += s0[j];
+                t1 += s1[j];
+                t2 += s2[j];
+                t3 += s3[j];
+            }
+            inv_sum[head] = 1.0f / t0;
+            inv_sum[head + 1] = 1.0f / t1;
+            inv_sum[head + 2] = 1.0f / t2;
+            inv_sum[head + 3] = 1.0f / t3;
         }
-        inv_sum[head] = 1.0f / sum;
+        for (; head < heads; ++head) {
+            const float *sg = scores + (int64_t)head * n;
+            float sum = 0.0f;
+            for (int32_t j = 0; j < n; ++j) {
+                sum += sg[j];
+            }
+            inv_sum[head] = 1.0f / sum;
+        }
     }
     if (d % 16 == 0 && d <= 256) {
         /* Values, head by head: the head's output row stays in registers while its value rows
