@@ -113,7 +113,7 @@ def test_a_kernel_is_replayed_as_its_c_call_with_the_same_bits(cpu_gemm: Gemm) -
     assert isinstance(program, CpuProgram)
     assert (len(program), program.kernel_calls) == (1, 1)
     x.copy_(torch.randn(5, 64, generator=gen))
-    # Outgrow the GEMM's scratch first: the recorded launch must still find its own.
+    # Outgrow this thread's GEMM scratch first: the recorded launch works in a buffer of its own.
     cpu_gemm.linear(torch.randn(300, 64, generator=gen), weight)
     program.replay()
     assert torch.equal(out, cpu_gemm.linear(x, weight))
@@ -194,3 +194,36 @@ def test_recording_can_be_turned_off_and_keeps_its_own_start_up_verdicts(tmp_pat
     assert [o.outputs[0].token_ids for o in off.generate(prompts, params)] == want
     assert sum(off.engine.runner.graphs.replays.values()) > 0
     off.shutdown()
+
+
+def test_a_recording_replays_on_another_thread_while_this_one_runs_the_same_kernel(cpu_gemm: Gemm) -> None:
+    """Two engines in one process: one replays its recording on a serving thread while the thread
+    that recorded it runs the same GEMM eagerly; the recording works in buffers of its own, so
+    neither sees the other's partial products."""
+    import threading
+
+    gen = torch.Generator().manual_seed(5)
+    weight = BlockedWeight.pack(torch.randn(256, 512, generator=gen))
+    x = torch.randn(16, 512, generator=gen)
+    out, program = record(lambda: cpu_gemm.linear(x, weight))
+    assert isinstance(program, CpuProgram)
+    want = cpu_gemm.linear(x, weight).clone()
+    other = torch.randn(16, 512, generator=gen)
+    other_want = cpu_gemm.linear(other, weight).clone()
+    wrong: list[str] = []
+
+    def serve() -> None:
+        for i in range(300):
+            program.replay()
+            if not torch.equal(out, want):
+                wrong.append(f"replay {i}")
+                return
+
+    t = threading.Thread(target=serve)
+    t.start()
+    while t.is_alive():
+        if not torch.equal(cpu_gemm.linear(other, weight), other_want):
+            wrong.append("eager")
+            break
+    t.join()
+    assert wrong == []

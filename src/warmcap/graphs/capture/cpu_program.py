@@ -90,11 +90,17 @@ def record(forward: Callable[[], Any]) -> tuple[Any, CpuProgram | Refused]:
     """Run ``forward()`` once (under inference mode) and return its result with the program that
     recomputes it in place, or with why it cannot be recorded (the result is still this run's)."""
     recorder = _Recorder()
-    with torch.inference_mode(), c_calls_to(recorder.top_level_call), _HostReads(recorder), recorder:
+    with (
+        torch.inference_mode(),
+        c_calls_to(recorder.top_level_call, recorder.scratch),
+        _HostReads(recorder),
+        recorder,
+    ):
         result = forward()
     if recorder.refused is not None:
         return result, recorder.refused
-    scratch = sum(recorder.made.values())
+    recorder.keep.append(recorder.scratch)
+    scratch = sum(recorder.made.values()) + sum(t.nbytes for t in recorder.scratch.values())
     return result, CpuProgram(recorder.calls, recorder.keep, recorder.kernel_calls, scratch)
 
 
@@ -107,6 +113,8 @@ class _Recorder(TorchDispatchMode):
         self.refused: Refused | None = None
         #: storage address -> bytes of every tensor the recording allocated
         self.made: dict[int, int] = {}
+        #: the work buffers of the recorded launches, by size (kernels/cpu/policy.launch_scratch)
+        self.scratch: dict[int, torch.Tensor] = {}
 
     def allocated(self, out: Any) -> None:
         for t in tree_leaves(out):
@@ -157,7 +165,7 @@ class _Recorder(TorchDispatchMode):
         inner = _Inside()
         # The implementation itself, under ``inner``: its own torch ops are seen (calling the
         # operator would show ``inner`` the operator and hide what its implementation runs).
-        with c_calls_to(lambda fn, a, r: launches.append((fn, a, r))), inner:
+        with c_calls_to(lambda fn, a, r: launches.append((fn, a, r)), self.scratch), inner:
             out = operator.impl(*args, **kwargs)
         if inner.computed:
             self.refuse(f"{func}: its implementation also ran {inner.computed}")

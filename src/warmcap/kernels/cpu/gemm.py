@@ -29,7 +29,7 @@ from functools import cache
 import torch
 
 from warmcap.kernels.cpu.build import load_library
-from warmcap.kernels.cpu.policy import CpuOperator, c_call, kernel_can_take, load_by_mode
+from warmcap.kernels.cpu.policy import CpuOperator, c_call, kernel_can_take, launch_scratch, load_by_mode
 
 log = logging.getLogger("warmcap.models")
 
@@ -123,20 +123,16 @@ def built_lanes() -> int:
 #: the scratch each thread transposes inputs into, kept between calls (a fresh multi-megabyte
 #: buffer per call costs page faults)
 _scratch = threading.local()
-#: every scratch buffer ever made, kept for the process: a recorded CPU graph
-#: (``graphs/capture/cpu_program.py``) replays launches with the scratch address they had, so a
-#: buffer outgrown later, or whose thread ended, must stay allocated (each thread's double, so its
-#: outgrown ones sum to less than its largest)
-_made: list[torch.Tensor] = []
 
 
 def _scratch_of(floats: int) -> torch.Tensor:
+    # A recorded launch keeps the recording's own buffer (it replays with that address).
+    recorded = launch_scratch(floats)
+    if recorded is not None:
+        return recorded
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < floats:
-        buf = _scratch.buf = torch.empty(
-            max(floats, 0 if buf is None else 2 * buf.numel()), dtype=torch.float32
-        )
-        _made.append(buf)
+        buf = _scratch.buf = torch.empty(floats, dtype=torch.float32)
     return buf
 
 

@@ -155,12 +155,26 @@ def c_call(fn: Any, *args: Any) -> Any:
 
 
 @contextmanager
-def c_calls_to(sink: CallSink | None) -> Iterator[None]:
-    """Report this thread's :func:`c_call` launches to ``sink`` inside the block (None: to nobody);
-    the sink outside it is restored after."""
-    before = getattr(_sinks, "sink", None)
-    _sinks.sink = sink
+def c_calls_to(sink: CallSink | None, scratch: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
+    """Report this thread's :func:`c_call` launches to ``sink`` inside the block (None: to nobody),
+    and take the work buffers of those launches from ``scratch`` (:func:`launch_scratch`; None: the
+    kernels' own); what was set outside the block is restored after."""
+    before = getattr(_sinks, "sink", None), getattr(_sinks, "scratch", None)
+    _sinks.sink, _sinks.scratch = sink, scratch
     try:
         yield
     finally:
-        _sinks.sink = before
+        _sinks.sink, _sinks.scratch = before
+
+
+def launch_scratch(floats: int) -> torch.Tensor | None:
+    """A float32 work buffer of at least ``floats`` for a C launch a recording watches, owned by the
+    recording (one per size, never reallocated: its launches replay with its address, on whatever
+    thread, while another engine's kernels use their own); None when no recording gave one."""
+    pool = getattr(_sinks, "scratch", None)
+    if pool is None:
+        return None
+    buf = pool.get(floats)
+    if buf is None:
+        buf = pool[floats] = torch.empty(floats, dtype=torch.float32)
+    return buf
