@@ -9,7 +9,9 @@ the launches once; :func:`record` does the same for the CPU path. It runs the fo
 - each compiled-kernel operator (``torch.ops.warmcap.*``) as the C calls its implementation made,
   with their exact arguments (pointers into the static buffers, the weights, the KV cache and the
   recorded intermediates; sizes; thread count), seen through ``kernels/cpu/policy.c_call``. A C
-  call that returned a value (a status) must return the same at replay, or the replay raises;
+  call that returned a value (a status) must return the same at replay, or the replay raises; the
+  work buffers of those calls are the recording's own (``policy.launch_scratch``), so a replay on
+  any thread never shares one with kernels running eagerly elsewhere;
 - each in-place torch op (``copy_``, ``index_copy_``) as the op, called again on the same tensors;
 - each functional torch op (``add``, ``where``, ``cos``) as the op, called again with its result
   copied into the tensor the recording produced (later ops were recorded reading that tensor);
