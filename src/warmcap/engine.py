@@ -429,7 +429,7 @@ class LLMEngine:
         """Run ``execute(sched_out)`` audited and pinned; on any error the requests of this step
         (and of ``failing_too``, the steps that fail with it) are aborted before it propagates."""
         try:
-            with self._audited(), self._pinned():
+            with self._audited(), self.steps_pinned():
                 return execute(sched_out)
         except BaseException:
             self._fail_steps([*failing_too, sched_out])
@@ -532,16 +532,14 @@ class LLMEngine:
     def _audited(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if self.serving_audit is None else self.serving_audit.step()
 
-    def _pinned(self) -> contextlib.AbstractContextManager[None]:
-        threads = getattr(self, "cpu_threads", None)
-        return contextlib.nullcontext() if threads is None else threads.pinned()
-
     def steps_pinned(self) -> contextlib.AbstractContextManager[None]:
         """Hold the CPU thread pinning across every :meth:`step` this thread makes inside the block
-        (``generate`` does): a step inside it sets and restores no affinity of its own
-        (``kernels/cpu/threads.CpuThreads.pinned``). A thread started inside the block inherits the
-        one core, so callers that run other work between steps (the server) pin per step."""
-        return self._pinned()
+        (``generate`` does; each step holds it for itself too): a step inside it sets and restores
+        no affinity of its own (``kernels/cpu/threads.CpuThreads.pinned``). A thread started inside
+        the block inherits the one core, so callers that run other work between steps (the server)
+        pin per step."""
+        threads = getattr(self, "cpu_threads", None)
+        return contextlib.nullcontext() if threads is None else threads.pinned()
 
     def _release_rows(self, req_ids: set[str]) -> None:
         """Drop ``req_ids`` from the runner's persistent batch now: the failed step may never have

@@ -13,12 +13,13 @@ the launches once; :func:`record` does the same for the CPU path. It runs the fo
   work buffers of those calls are the recording's own (``policy.launch_scratch``), so a replay on
   any thread never shares one with kernels running eagerly elsewhere;
 - each in-place torch op (``copy_``, ``index_copy_``) as the op, called again on the same tensors;
-- each functional torch op (``add``, ``where``, ``cos``) as the op, called again with its result
-  copied into the tensor the recording produced (later ops were recorded reading that tensor);
+- each functional torch op (``add``, ``where``, ``cos``) as its ``out=`` overload writing into the
+  tensor the recording produced (later ops were recorded reading that tensor), or, where no such
+  overload gives the same bits, as the op called again with its result copied there;
 - views, aliases and fresh allocations as nothing: the recorded tensors keep their storage.
 
 The replay (:class:`CpuProgram`) is then a flat loop over those calls: the tiny-llama decode
-forward is 17 C calls and 16 torch ops instead of ~45 operator dispatches under Python modules.
+forward is 17 C calls and 13 torch ops instead of ~45 operator dispatches under Python modules.
 
 What cannot be replayed this way is refused, and the graph replays eagerly as before
 (:class:`Refused` says why): a value read on the host (``.item()``, ``bool(t)``, ``torch.equal``,
@@ -148,14 +149,11 @@ class _Recorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func._schema.is_mutable:
             self.calls.append(_Call(func, args, kwargs))
-        elif _aliases_input((args, kwargs), out):
-            pass
-        elif name in _ALLOCATIONS:
+        elif not _aliases_input((args, kwargs), out):
             self.allocated(out)
-        else:
-            self.allocated(out)
-            results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.calls.append(_functional(func, args, kwargs, results))
+            if name not in _ALLOCATIONS:
+                results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                self.calls.append(_functional(func, args, kwargs, results))
         return out
 
     def _kernel(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -256,7 +254,8 @@ class _Launch:
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """An in-place op, called again on the same tensors."""
+    """An op called again on the same tensors: an in-place op, or a functional one through its
+    ``out=`` overload into the tensor the recording produced."""
 
     func: Any
     args: tuple[Any, ...]
@@ -286,20 +285,8 @@ def _functional(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
                 pass
             else:
                 if check.shape == kept.shape and check.stride() == kept.stride() and torch.equal(check, kept):
-                    return _Out(out_overload, args, {**kwargs, "out": kept})
+                    return _Call(out_overload, args, {**kwargs, "out": kept})
     return _Into(func, args, kwargs, results)
-
-
-@dataclass(frozen=True, slots=True)
-class _Out:
-    """A functional op through its ``out=`` overload, into the tensor the recording produced."""
-
-    func: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-    def __call__(self) -> None:
-        self.func(*self.args, **self.kwargs)
 
 
 @dataclass(frozen=True, slots=True)
