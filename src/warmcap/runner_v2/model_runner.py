@@ -151,7 +151,6 @@ class ModelRunner:
         self._proposals: dict[str, list[int]] = {}
         self.last_step: StepInputs | None = None
         self.last_hidden_states: torch.Tensor | None = None
-        self.last_positions: torch.Tensor | None = None
         # Sampling logits [N, V] of the latest step (rows as in ``logits_hook``), for logprobs and
         # the engine's non-finite check.
         self.last_logits: torch.Tensor | None = None
@@ -279,6 +278,12 @@ class ModelRunner:
         self._pending = [latest] if feedable else []
         return latest.feed if feedable else None
 
+    @property
+    def last_positions(self) -> torch.Tensor | None:
+        """The latest target forward's positions ``[T]`` (a view of the step buffers)."""
+        step = self.last_step
+        return None if step is None else self.buffers.positions[: step.num_tokens]
+
     def _feed(self, step: StepInputs, feed: TokenFeed) -> None:
         """Have the buffers take ``step``'s token ids the host holds as placeholders from the
         previous step's samples on the device."""
@@ -338,7 +343,6 @@ class ModelRunner:
             hidden, self.last_aux_hidden_states = replay.output, replay.aux
         self.last_step = step
         self.last_hidden_states = hidden
-        self.last_positions = self.buffers.positions[: step.num_tokens]
 
         tokens = self._sample(hidden, step, defer=defer)
         # From the hidden states of every prompt token, whichever way the step ran (a replayed

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from warmcap.contracts import PAD_SLOT_ID, AttentionMetadata
-from warmcap.runner_v2.input_batch import StepInputs
+from warmcap.runner_v2.input_batch import PY_REDUCE_MAX, StepInputs
 from warmcap.runner_v2.slot_mapping import host_slot_mapping, slot_mapping
 
 
@@ -256,7 +256,10 @@ class StepBuffers:
         self.num_tokens_padded, self.num_reqs_padded = tp, rp
         self.num_logits = 0
         self.max_query_len = max(max_query_len, tp - t)
-        self.max_seq_len = int(seq[:r].max(initial=0))
+        seq_lens_now = seq[:r]
+        self.max_seq_len = (
+            max(seq_lens_now.tolist(), default=0) if r <= PY_REDUCE_MAX else int(seq_lens_now.max(initial=0))
+        )
         if self.staged:
             self._mark_uploaded()
 
