@@ -7,7 +7,8 @@
 
 ``--mode split`` (default): one ``LLM`` per model (default settings: graphs captured at start-up,
 the greedy screened head), ``batch`` greedy requests of ``--tokens`` new tokens (``ignore_eos``)
-driven through ``LLMEngine.step``. Timers around functions (two ``perf_counter`` calls each, no
+driven through ``LLMEngine.step``, with ``--output-kind`` outputs (cumulative, ``engine.step``'s
+default: an output every step; final_only: ``LLM.generate``'s, one at the end). Timers around functions (two ``perf_counter`` calls each, no
 profiler) split every step into phases; each phase is the time inside its functions less the time
 inside timed functions they call:
 
@@ -173,6 +174,14 @@ def async_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {} if args.async_scheduling == "auto" else {"async_scheduling": args.async_scheduling == "on"}
 
 
+def kind_kwargs(args: argparse.Namespace, params_cls: Any) -> dict[str, Any]:
+    """``output_kind`` for the requests when the tree's ``SamplingParams`` has it (a tree without it
+    builds an output every step: cumulative)."""
+    if "output_kind" not in getattr(params_cls, "__dataclass_fields__", {}):
+        return {}
+    return {"output_kind": args.output_kind}
+
+
 def prompt_ids(n: int, seed: int) -> list[int]:
     return [(7 * i + 13 * seed + 3) % 400 + 20 for i in range(n)]
 
@@ -199,7 +208,9 @@ def child_split(args: argparse.Namespace) -> dict[str, Any]:
             **async_kwargs(args),
         )
         engine = llm.engine
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=tokens, ignore_eos=True, **kind_kwargs(args, SamplingParams)
+        )
         llm.generate([prompt_ids(args.prompt_len, 0)], SamplingParams(max_tokens=4, ignore_eos=True))
         timers = Timers()
         install(timers, engine)
@@ -409,6 +420,13 @@ def main() -> None:
         default="auto",
         help="this tree's engines with async scheduling on, off, or both A/B in one run (auto: the default)",
     )
+    parser.add_argument(
+        "--output-kind",
+        choices=("cumulative", "final_only"),
+        default="cumulative",
+        help="--mode split: the requests' output kind (cumulative: an output every step, engine.step's "
+        "default; final_only: LLM.generate's); a tree without output kinds is always cumulative",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -432,6 +450,7 @@ def main() -> None:
     results: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
     print(
         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, mode {args.mode}, threads {args.threads}"
+        + (f", output kind {args.output_kind}" if args.mode == "split" else "")
     )
     for r in range(outer):
         for t, (path, tree_argv) in trees.items():

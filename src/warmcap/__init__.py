@@ -18,7 +18,7 @@ prefer_yielding_wait()
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,8 +26,8 @@ def __getattr__(name: str) -> Any:
         from warmcap.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from warmcap.sampling_params import SamplingParams
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from warmcap import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'warmcap' has no attribute {name!r}")

@@ -8,6 +8,7 @@ Each ``step``: ``schedule`` -> ``execute_model`` -> ``update_from_output`` -> ou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -46,7 +47,7 @@ from warmcap.progress import progress_bar
 from warmcap.prompts import PromptType, check_token_ids, encode_text, split_prompt
 from warmcap.runner_v2.model_runner import ModelRunner
 from warmcap.runner_v2.step_result import StepResult
-from warmcap.sampling_params import SamplingParams
+from warmcap.sampling_params import RequestOutputKind, SamplingParams
 from warmcap.startup_hooks import (
     StartupContext,
     StartupEvent,
@@ -502,6 +503,8 @@ class LLMEngine:
             if res.finished:
                 m.finished_time = now
                 del self._requests[res.req_id]
+            elif tracked.final_only:
+                continue
             outputs.append(tracked.output(self.detokenizer, res.new_token_ids, res.finish_reason))
         return outputs + failed
 
@@ -560,7 +563,10 @@ class LLMEngine:
             self._non_finite(sorted(record.nonfinite_req_ids))
         logits = record.logits
         step = record.step
-        if sched_out.is_empty or logits is None or step is None or not step.num_logits.any():
+        if logits is None or step is None or sched_out.is_empty:
+            return None
+        # (a decode step samples every request: no reduction over its counts)
+        if not step.decode and not step.num_logits.any():
             return None
         counts = step.num_logits.tolist()
         # The runner fetched the batch's verdict with the tokens; only a bad batch reads again.
@@ -586,10 +592,16 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; one output per prompt, in prompt order, holding ``n``
         completions each. Only this call's requests are returned; on any error (Ctrl-C included)
-        they are all aborted and their blocks freed before the error propagates."""
+        they are all aborted and their blocks freed before the error propagates.
+
+        Only the final outputs are read, so the requests are queued with
+        ``RequestOutputKind.FINAL_ONLY`` (as vLLM's ``LLM.generate`` does): their steps build no
+        intermediate output."""
         groups: list[tuple[str, list[str]]] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):
+                if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                 text, token_ids = self._prepare(prompt)
                 parent = self._next_id()
                 children = [parent] if sp.n == 1 else [f"{parent}-{i}" for i in range(sp.n)]

@@ -26,6 +26,7 @@ from warmcap.outputs import (
     StopHit,
 )
 from warmcap.runner_v2.prompt_logprobs import PromptLogprobsPart
+from warmcap.sampling_params import RequestOutputKind
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -37,7 +38,9 @@ class TrackedRequest:
     ``index`` is the sample's index among its prompt's ``n``; ``text`` is its output text so far
     (made on first use); the tokens it has been pushed were searched for stop strings.
     ``prompt_logprobs`` fills position by position as the prompt's chunks are computed
-    (``num_prompt_logprobs`` positions so far).
+    (``num_prompt_logprobs`` positions so far). With ``RequestOutputKind.DELTA`` outputs,
+    ``sent_text`` / ``sent_logprobs`` count the characters and logprobs entries already returned,
+    ``sent_prompt_logprobs`` whether the prompt's were.
     """
 
     request: Request
@@ -49,6 +52,14 @@ class TrackedRequest:
     text: TextStream | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_prompt_logprobs: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
+
+    @property
+    def final_only(self) -> bool:
+        """Whether only the request's last output is returned (no output a step before it)."""
+        return self.request.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
 
     def text_stream(self, decoder: TextDecoder) -> TextStream:
         if self.text is None:
@@ -80,8 +91,11 @@ class TrackedRequest:
     def output(
         self, decoder: TextDecoder, new_token_ids: Sequence[int], finish_reason: str | None
     ) -> RequestOutput:
+        """The request's output after a step that gave it ``new_token_ids`` (``finish_reason``: None
+        while it runs): everything so far, or (``RequestOutputKind.DELTA``) what is new since the
+        previous output."""
         req = self.request
-        tokens = list(req.output_token_ids)
+        tokens = req.output_token_ids
         stream = self.text_stream(decoder)
         if self.stop is None and stream.num_tokens < len(tokens):
             stream.push(tokens[stream.num_tokens :])
@@ -97,13 +111,26 @@ class TrackedRequest:
             text = stream.full
         else:
             text = stream.final()
+        prompt_logprobs = self.prompt_logprobs_done
+        logprobs = self.logprobs
+        if params.output_kind is RequestOutputKind.DELTA:
+            text = self._text_delta(text, stream, finish_reason is not None)
+            token_ids = list(new_token_ids)
+            if logprobs is not None:
+                logprobs, self.sent_logprobs = logprobs[self.sent_logprobs :], len(logprobs)
+            if prompt_logprobs is not None:
+                prompt_logprobs = None if self.sent_prompt_logprobs else prompt_logprobs
+                self.sent_prompt_logprobs = True
+        else:
+            token_ids = list(tokens)
+            logprobs = None if logprobs is None else list(logprobs)
         completion = CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=tokens,
+            token_ids=token_ids,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=logprobs,
         )
         return RequestOutput(
             request_id=req.request_id,
@@ -114,8 +141,25 @@ class TrackedRequest:
             finished=finish_reason is not None,
             new_token_ids=list(new_token_ids),
             kv_transfer_params=req.kv_transfer_params if finish_reason is not None else None,
-            prompt_logprobs=self.prompt_logprobs_done,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _text_delta(self, text: str, stream: TextStream, finished: bool) -> str:
+        """The part of ``text`` (the output's whole text now) not returned yet. While the request
+        runs, text a later token may change is held back: an incomplete character (the stream's
+        tail) and, without ``include_stop_str_in_output``, the last ``len(longest stop) - 1``
+        characters, which may start a stop string the request's text will be cut before."""
+        end = len(text)
+        if not finished:
+            end = len(stream.text)
+            params = self.request.sampling_params
+            if params.stop and not params.include_stop_str_in_output:
+                end -= max(map(len, params.stop)) - 1
+        start = self.sent_text
+        if end <= start:
+            return ""
+        self.sent_text = end
+        return text[start:end]
 
 
 def _entry(

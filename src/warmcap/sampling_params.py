@@ -6,6 +6,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 
 import numpy as np
 
@@ -23,6 +24,22 @@ def _is_number(value: object) -> bool:
     )
 
 
+class RequestOutputKind(IntEnum):
+    """Which outputs the engine's steps return for a request (vLLM's values and meanings).
+
+    ``CUMULATIVE``: after every step that gave it tokens, its text and tokens so far. ``DELTA``:
+    after every such step, only what that step added (tokens, text, logprobs; prompt logprobs once);
+    text that a later token may still change (an incomplete character, the start of a possible stop
+    string) waits for the output that settles it. ``FINAL_ONLY``: one output, when it finishes (what
+    ``LLM.generate`` asks for): its steps build no output and, without stop strings, decode no text
+    until then.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature=0`` is greedy.
@@ -37,7 +54,8 @@ class SamplingParams:
     V1 engine skips the prefix cache for it, since cached positions would have no logits); ``min_tokens`` tokens are generated before
     EOS, ``stop_token_ids`` or a stop string may end the request; ``repetition_penalty`` divides
     positive (multiplies negative) logits of tokens in the prompt or output, ``presence_penalty`` and
-    ``frequency_penalty`` subtract per output token seen (once, or per occurrence).
+    ``frequency_penalty`` subtract per output token seen (once, or per occurrence);
+    ``output_kind`` which outputs :meth:`LLMEngine.step` returns for it (:class:`RequestOutputKind`).
     """
 
     temperature: float = 1.0
@@ -57,6 +75,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     #: ``stop_token_ids`` plus the model's EOS unless ``ignore_eos``: the tokens ``min_tokens`` holds
     #: back. The engine fills it (:meth:`with_eos`) when it queues a request.
     all_stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -77,6 +96,17 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         object.__setattr__(self, "all_stop_token_ids", self.stop_token_ids)
+        kind = self.output_kind
+        if isinstance(kind, str) and kind.upper() in RequestOutputKind.__members__:
+            kind = RequestOutputKind[kind.upper()]
+        elif _is_int(kind) and kind in tuple(RequestOutputKind):
+            kind = RequestOutputKind(kind)
+        else:
+            raise ConfigError(
+                f"output_kind must be one of {', '.join(k.name.lower() for k in RequestOutputKind)} "
+                f"(a RequestOutputKind, its name or its value); got {kind!r}"
+            )
+        object.__setattr__(self, "output_kind", kind)
         for ok, message in self._checks():
             if not ok:
                 raise ConfigError(message)
