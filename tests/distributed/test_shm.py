@@ -34,6 +34,7 @@ def test_shm_collectives_give_gloos_bits_on_every_rank():
     ranks = run_on_ranks(shm_vs_gloo, rendezvous_for(2), timeout_s=120)
     for rank, out in enumerate(ranks):
         assert out["transport"] == "shm", rank
+        assert out["compiled"], rank  # float32 all-reduces went through the C collective
         for case, (shm, gloo) in out["reduce"].items():
             assert shm.dtype == gloo.dtype and shm.equal(gloo), (rank, case)
         for case, (shm, gloo) in out["gather"].items():
@@ -88,13 +89,34 @@ def test_tp2_over_shared_memory_generates_what_tp1_and_gloo_generate():
 
 CLI = [sys.executable, "-c", "from warmcap.cli import main; main()"]
 LONG = ["generate", "-m", "tiny-llama", "-tp", "2", "--prompt", "The quick brown fox", "--no-chat"]
-LONG += ["--max-tokens", "1000", "--enforce-eager", "--no-audit", "-q"]
+LONG += ["--max-tokens", "1000", "--no-audit", "-q"]
+#: eager steps (the all-reduce called from Python), or recorded graphs replaying it as a C call
+MODES = {"eager": ["--enforce-eager"], "recorded": []}
 
 
-def _started_cli(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
-    """The CLI generating 1000 tokens at TP=2, once the first have come (so its worker is stepping)."""
+def test_tp2_graphs_record_their_all_reduces_and_generate_tp1s_tokens():
+    """With the shared-memory all-reduce in C, a tensor-parallel rank's graphs record (none runs
+    its forward again at replay) and the tokens are TP=1's."""
+    graphed = {k: v for k, v in SMALL.items() if k != "enforce_eager"}
+    llm = LLM("tiny-llama", tensor_parallel_size=2, **graphed)
+    try:
+        graphs = [
+            g for by_descriptor in llm.engine.runner.graphs._graphs.values() for g in by_descriptor.values()
+        ]
+        assert graphs and all(g.program is not None for g in graphs), [g.not_recorded for g in graphs]
+        got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        replays = sum(llm.engine.runner.graphs.replays.values())
+    finally:
+        llm.shutdown()
+    assert replays > 0
+    assert got == _run(1)
+
+
+def _started_cli(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, int, Path]:
+    """The CLI generating 1000 tokens at TP=2 (``mode``: eager or with recorded graphs), once the
+    first have come (so its worker is stepping)."""
     log = tmp_path / "cli.log"
-    proc = subprocess.Popen([*CLI, *LONG], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*CLI, *LONG, *MODES[mode]], stdout=log.open("wb"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -123,8 +145,9 @@ def _cmdline(process: psutil.Process) -> str:
 
 
 @pytest.mark.slow
-def test_a_killed_worker_ends_the_cli_at_once_with_one_line_and_no_segment(tmp_path):
-    proc, worker, log = _started_cli(tmp_path)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_killed_worker_ends_the_cli_at_once_with_one_line_and_no_segment(tmp_path, mode):
+    proc, worker, log = _started_cli(tmp_path, mode)
     try:
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
@@ -148,8 +171,9 @@ def test_a_killed_worker_ends_the_cli_at_once_with_one_line_and_no_segment(tmp_p
 
 
 @pytest.mark.slow
-def test_a_killed_rank0_leaves_no_worker_and_no_segment(tmp_path):
-    proc, worker, _log = _started_cli(tmp_path)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_killed_rank0_leaves_no_worker_and_no_segment(tmp_path, mode):
+    proc, worker, _log = _started_cli(tmp_path, mode)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     # The worker, waiting on rank 0 in shared memory, sees it gone and exits by itself.

@@ -114,7 +114,8 @@ def fail_on_worker(ctx: object) -> None:
 def shm_vs_gloo(rank: int) -> dict[str, object]:
     """Each rank's all-reduce and all-gather results through the group's shared memory and through
     gloo (``torch.distributed`` on the same group), for dtypes, shapes, a transposed (strided)
-    input and a tensor larger than one shared buffer (it goes through in chunks)."""
+    input and a tensor larger than one shared buffer (it goes through in chunks). Float32 contiguous
+    all-reduces take the C call, the others Python's, interleaved on the same sequence numbers."""
     import torch.distributed as dist
 
     from warmcap.contracts.parallel import all_gather_last_dim, all_reduce_sum, parallel_state
@@ -138,7 +139,12 @@ def shm_vs_gloo(rank: int) -> dict[str, object]:
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, x.contiguous())
         gather[name] = (all_gather_last_dim(x), torch.cat(parts, dim=-1))
-    return {"transport": getattr(comm, "name", "gloo"), "reduce": reduce, "gather": gather}
+    return {
+        "transport": getattr(comm, "name", "gloo"),
+        "compiled": getattr(comm, "replayable", False),
+        "reduce": reduce,
+        "gather": gather,
+    }
 
 
 def shm_commands(rank: int) -> dict[str, object]:

@@ -15,7 +15,7 @@ from warmcap.graphs.capture.capturer import GraphCapturer
 from warmcap.graphs.capture.cpu_program import CpuProgram, Refused, record
 from warmcap.graphs.proof.verify import verify_graphs
 from warmcap.kernels.cpu.gemm import BlockedWeight, Gemm
-from warmcap.kernels.cpu.policy import CpuOperator, c_call
+from warmcap.kernels.cpu.policy import CpuOperator, c_call, host_sync
 from warmcap.llm import LLM
 from warmcap.sampling_params import SamplingParams
 
@@ -39,6 +39,20 @@ def _torch_inside_impl(x: torch.Tensor) -> torch.Tensor:
 
 
 _STATUS_OP = CpuOperator("test_status", "(Tensor x) -> Tensor", _status_impl, lambda x: torch.empty_like(x))
+
+
+class _PeerLeft(Exception):
+    pass
+
+
+# The same call, with the operator's own exception for a status (as the shared-memory all-reduce has).
+_STATUS_ERROR_OP = CpuOperator(
+    "test_status_error",
+    "(Tensor x) -> Tensor",
+    _status_impl,
+    lambda x: torch.empty_like(x),
+    status_error=lambda status: _PeerLeft(f"status {status}"),
+)
 _TORCH_INSIDE_OP = CpuOperator(
     "test_torch_inside", "(Tensor x) -> Tensor", _torch_inside_impl, lambda x: torch.empty_like(x)
 )
@@ -103,6 +117,32 @@ def test_a_launch_that_returns_another_status_at_replay_raises_naming_the_operat
     object.__setattr__(launch, "args", (-7,))  # as if the inputs had moved out of what was recorded
     with pytest.raises(RuntimeError, match=r"warmcap\.test_status.*returned 7 \(at capture 3\)"):
         program.replay()
+
+
+def test_a_changed_status_raises_the_operators_own_error_where_it_has_one() -> None:
+    x = torch.ones(2)
+    _, program = record(lambda: _STATUS_ERROR_OP(x))
+    assert isinstance(program, CpuProgram)
+    (launch,) = [c for c in program._calls if hasattr(c, "fn")]
+    object.__setattr__(launch, "args", (-1005,))
+    with pytest.raises(_PeerLeft, match="status 1005"):
+        program.replay()
+
+
+def test_a_wait_on_the_host_that_code_reports_refuses_the_recording() -> None:
+    """A collective made in Python (its waits invisible to the recording) reports itself."""
+    x = torch.ones(4)
+
+    def forward() -> torch.Tensor:
+        y = x * 2
+        host_sync("a shared-memory collective in Python")
+        return y + 1
+
+    out, program = record(forward)
+    assert isinstance(program, Refused)
+    assert program.reason == "a shared-memory collective in Python: waits on the host"
+    assert out.tolist() == [3.0] * 4
+    host_sync("outside a recording: nothing happens")
 
 
 def test_a_kernel_is_replayed_as_its_c_call_with_the_same_bits(cpu_gemm: Gemm) -> None:

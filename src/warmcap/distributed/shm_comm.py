@@ -13,20 +13,33 @@ fast rank writing the next collective never overwrites what a slow rank still re
 its sequence number, waits for every peer's, and reads all buffers. The sum runs in rank order
 (``x_0 + x_1 + ...``) on every rank, so every rank holds the same bits; at two ranks it is the one
 addition gloo makes too, bit for bit (``tests/distributed/test_shm.py``).
+
+A float32 all-reduce is one C call (``kernels/cpu/shm_collective.c``, the operator
+``warmcap::shm_all_reduce_``): the same protocol, its sequence number kept in the segment (the
+Python collectives read it there too), so a recorded CPU graph (``graphs/capture/cpu_program.py``)
+replays a tensor-parallel rank's forward with its all-reduces in it. A peer that leaves or dies
+during that call ends it with a status, raised as :class:`~.shm_segment.PeerGoneError` whether the
+call was made eagerly or replayed. Without a C compiler the Python collective runs instead.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.distributed as dist
 
 from warmcap.config import TP_COMM_MODES, kernel_default
+from warmcap.distributed import shm_segment
 from warmcap.distributed.shm_ring import ShmRing
-from warmcap.distributed.shm_segment import SEQ, SHM_DIR, Layout, Segment, host_key
+from warmcap.distributed.shm_segment import SEQ, SHM_DIR, Layout, PeerGoneError, Segment, host_key
 from warmcap.errors import ConfigError
+from warmcap.kernels.cpu.build import KernelBuildError, load_library
+from warmcap.kernels.cpu.policy import CpuOperator, c_call, host_sync
 
 logger = logging.getLogger("warmcap.distributed")
 
@@ -44,17 +57,105 @@ def comm_mode(mode: str | None = None) -> str:
     return mode
 
 
+# ---- the C all-reduce -----------------------------------------------------------------------------
+
+_ALL_REDUCE_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5]
+
+
+@cache
+def _c_all_reduce() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C all-reduce, built on first use; None where it cannot be built (no compiler): the
+    Python collective serves. Refused (RuntimeError) if its layout constants differ from
+    :mod:`.shm_segment`'s."""
+    try:
+        lib = load_library("shm_collective.c")
+    except KernelBuildError as exc:
+        logger.info("tensor-parallel all-reduce stays in Python: %s", exc)
+        return None
+    got = (ctypes.c_int64 * 8)()
+    lib.warmcap_shm_layout(got)
+    want = (
+        shm_segment.WORDS_PER_LINE,
+        shm_segment.PID,
+        SEQ,
+        shm_segment.CLOSED,
+        shm_segment.SLEEPING,
+        _CLOSED,
+        _GONE,
+        _TIMEOUT,
+    )
+    if tuple(got) != want:
+        raise RuntimeError(f"shm_collective.c's segment layout {tuple(got)} is not shm_segment.py's {want}")
+    fn = lib.warmcap_shm_all_reduce_f32
+    fn.argtypes, fn.restype = _ALL_REDUCE_ARGS, ctypes.c_int64
+    return fn
+
+
+#: the C call's statuses: a peer closed its end (+ its rank), a peer's process is gone (+ its rank),
+#: the collective timeout passed
+_CLOSED, _GONE, _TIMEOUT = 1000, 2000, 3000
+
+
+def _status_error(status: int, rank: int | None = None) -> BaseException:
+    """The exception a non-zero status of the C all-reduce stands for."""
+    if status >= _TIMEOUT:
+        who = "" if rank is None else f" {rank}"
+        return TimeoutError(
+            f"tensor-parallel rank{who} waited in shared memory for its peers past the collective timeout"
+        )
+    if status >= _GONE:
+        return PeerGoneError(status - _GONE, "is gone (its process exited)")
+    if status >= _CLOSED:
+        return PeerGoneError(status - _CLOSED, "left the group")
+    return RuntimeError(f"shared-memory all-reduce failed with status {status}")
+
+
+def _all_reduce_cpu(
+    x: torch.Tensor, words: int, rank: int, world: int, data_offset: int, data_bytes: int, timeout_ms: int
+) -> None:
+    fn = _c_all_reduce()
+    assert fn is not None and x.dtype == torch.float32 and x.is_contiguous()
+    status = c_call(fn, x.data_ptr(), x.numel(), words, rank, world, data_offset, data_bytes, timeout_ms)
+    if status:
+        raise _status_error(status, rank)
+
+
+def _all_reduce_fake(x, words, rank, world, data_offset, data_bytes, timeout_ms):  # type: ignore[no-untyped-def]
+    return None
+
+
+_ALL_REDUCE = CpuOperator(
+    "shm_all_reduce_",
+    "(Tensor(a!) x, int words, int rank, int world, int data_offset, int data_bytes, int timeout_ms) -> ()",
+    _all_reduce_cpu,
+    _all_reduce_fake,
+    status_error=_status_error,
+)
+
+
 class ShmCommunicator:
     """All-reduce (sum) and all-gather over a :class:`~.shm_segment.Segment`; see the module docstring."""
 
     name = "shm"
 
-    def __init__(self, segment: Segment) -> None:
+    def __init__(self, segment: Segment, *, compiled: bool = True) -> None:
         self.seg = segment
         self.rank = segment.rank
         self.world_size = segment.layout.world_size
-        self._seq = 0
         lay = segment.layout
+        #: the C all-reduce's fixed arguments (None: the Python collective; ``compiled`` False, or
+        #: no compiler)
+        self._c_args: tuple[int, ...] | None = None
+        if compiled and _c_all_reduce() is not None:
+            timeout = segment.timeout_s
+            self._c_args = (
+                segment.address,
+                self.rank,
+                self.world_size,
+                lay.data_offset,
+                lay.data_bytes,
+                -1 if math.isinf(timeout) else max(1, int(timeout * 1000)),
+            )
         whole = torch.frombuffer(segment.buf, dtype=torch.uint8)
         #: [phase][rank] -> that rank's buffer as bytes
         self._bytes = [
@@ -62,6 +163,11 @@ class ShmCommunicator:
             for p in (0, 1)
         ]
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+
+    @property
+    def replayable(self) -> bool:
+        """Whether its float32 all-reduce is a C call a recorded CPU graph can replay."""
+        return self._c_args is not None
 
     def _buffers(self, dtype: torch.dtype, phase: int) -> list[torch.Tensor]:
         typed = self._typed.get(dtype)
@@ -72,8 +178,9 @@ class ShmCommunicator:
 
     def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
         """Publish ``part`` (flat, at most one buffer) and return every rank's, in rank order."""
-        self._seq += 1
-        seq = self._seq
+        host_sync("a shared-memory collective in Python")
+        # The sequence number lives in the segment: the C all-reduce bumps the same word.
+        seq = self.seg.get(self.rank, SEQ) + 1
         bufs = self._buffers(part.dtype, seq & 1)
         m = part.numel()
         bufs[self.rank][:m].copy_(part)
@@ -88,6 +195,14 @@ class ShmCommunicator:
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks in place, in rank order (the same bits on every rank)."""
+        if (
+            self._c_args is not None
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+            and x.device.type == "cpu"
+        ):
+            _ALL_REDUCE(x, *self._c_args)
+            return x
         flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
         per = self._chunk(x)
         for start in range(0, flat.numel(), per):

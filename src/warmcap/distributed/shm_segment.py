@@ -281,6 +281,11 @@ class Segment:
         seg._register()
         return seg
 
+    @property
+    def address(self) -> int:
+        """Where this rank maps the segment (its first byte), for C code that reads it directly."""
+        return ctypes.addressof(self._anchor)
+
     def _register(self) -> None:
         self.words[self.layout.word(self.rank, PID)] = os.getpid()
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from warmcap.contracts.parallel import parallel_state
 from warmcap.errors import ConfigError
 from warmcap.graphs.capture.cpu_program import CpuProgram, Refused, record
 from warmcap.graphs.capture.layouts import OutputLayout, allocate
@@ -369,15 +370,18 @@ class GraphCapturer:
         """Why ``spec``'s forward is not recorded (:mod:`.cpu_program`) but run again at each replay
         ('' when it is recorded): only ``static`` graphs on CPU record, up to
         :data:`RECORD_MAX_TOKENS` tokens; never with Mamba state columns (planned on the host before
-        each pass) or tensor-parallel ranks (their all-reduces synchronise on the host)."""
+        each pass), nor on tensor-parallel ranks whose all-reduces are not the shared-memory one in C
+        (gloo's synchronise on the host)."""
         if self.backend != "static" or self.runner.device.type != "cpu":
             return f"the {self.backend} backend on {self.runner.device.type} does not record CPU programs"
         if not self.record:
             return "recording is off (--no-record-cpu-graphs)"
         if spec.num_tokens > RECORD_MAX_TOKENS:
             return f"{spec.num_tokens} tokens, past the recording limit of {RECORD_MAX_TOKENS}"
-        if self.runner.config.tensor_parallel_size > 1:
-            return "tensor-parallel ranks synchronise their all-reduces on the host"
+        if self.runner.config.tensor_parallel_size > 1 and not getattr(
+            parallel_state().comm, "replayable", False
+        ):
+            return "tensor-parallel ranks synchronise their all-reduces on the host (gloo: only the shared-memory all-reduce in C records)"
         if any(isinstance(m, MambaMetadata) for m in metas.values()):
             return "Mamba state columns are planned on the host before each pass"
         return ""

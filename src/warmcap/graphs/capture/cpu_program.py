@@ -24,8 +24,10 @@ forward is 17 C calls and 13 torch ops instead of ~45 operator dispatches under 
 What cannot be replayed this way is refused, and the graph replays eagerly as before
 (:class:`Refused` says why): a value read on the host (``.item()``, ``bool(t)``, ``torch.equal``,
 ``.tolist()``, ``.numpy()``: the branch it decides would be baked in), an op whose output shape
-depends on data, a random op, a compiled kernel whose implementation also ran torch compute, or
-a C launch outside any operator. Like a CUDA graph, a recording is only as good as its static
+depends on data, a random op, a compiled kernel whose implementation also ran torch compute, a
+C launch outside any operator, or a wait on the host that code reports (``policy.host_sync``: a
+tensor-parallel collective made in Python; the shared-memory all-reduce in C is recorded as its C
+call, so a tensor-parallel rank's forward records). Like a CUDA graph, a recording is only as good as its static
 buffers: whatever the forward derives on the host from anything but tensors (shapes, the graph's
 fixed metadata) is fixed at record time, which is why every recorded graph is verified against
 eager at start-up (``graphs/proof/verify.py``) before it serves.
@@ -42,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from warmcap.kernels.cpu.policy import OPERATORS, c_calls_to
+from warmcap.kernels.cpu.policy import OPERATORS, c_calls_to, host_syncs_to
 
 #: allocations: their contents are undefined until an op writes them, so nothing to replay
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
@@ -96,6 +98,7 @@ def record(forward: Callable[[], Any]) -> tuple[Any, CpuProgram | Refused]:
     with (
         torch.inference_mode(),
         c_calls_to(recorder.top_level_call, recorder.scratch),
+        host_syncs_to(lambda what: recorder.refuse(f"{what}: waits on the host")),
         _HostReads(recorder),
         recorder,
     ):
@@ -173,7 +176,7 @@ class _Recorder(TorchDispatchMode):
         self.keep.append((args, kwargs, out))
         self.allocated(out)
         for fn, a, r in launches:
-            self.calls.append(_Launch(fn, a, r, str(func)))
+            self.calls.append(_Launch(fn, a, r, str(func), operator.status_error))
         self.kernel_calls += len(launches)
         return out
 
@@ -242,10 +245,14 @@ class _Launch:
     args: tuple[Any, ...]
     result: Any
     op: str
+    #: the operator's own exception for a status (``CpuOperator.status_error``), when it has one
+    error: Callable[[Any], BaseException] | None = None
 
     def __call__(self) -> None:
         got = self.fn(*self.args)
         if got != self.result:
+            if self.error is not None:
+                raise self.error(got)
             raise RuntimeError(
                 f"recorded CPU graph: {self.op} returned {got} (at capture {self.result}); "
                 "the graph's inputs are outside what it recorded"

@@ -97,8 +97,19 @@ class CpuOperator:
     the operator otherwise; both run the same code on the same tensors.
     """
 
-    def __init__(self, name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        name: str,
+        schema: str,
+        impl: Callable[..., Any],
+        fake: Callable[..., Any],
+        *,
+        status_error: Callable[[Any], BaseException] | None = None,
+    ) -> None:
         qualified = f"warmcap::{name}"
+        #: the exception a C call of ``impl`` returning ``status`` stands for, raised by a recorded
+        #: replay whose call returns another status than at capture (None: a generic error)
+        self.status_error = status_error
         torch.library.define(qualified, schema)
         torch.library.register_fake(qualified, fake)
         torch.library.impl(qualified, "CPU", impl)
@@ -165,6 +176,26 @@ def c_calls_to(sink: CallSink | None, scratch: dict[int, torch.Tensor] | None = 
         yield
     finally:
         _sinks.sink, _sinks.scratch = before
+
+
+def host_sync(what: str) -> None:
+    """Tell a recording in progress on this thread (:func:`host_syncs_to`) that the caller waits on
+    the host for something no recorded call would wait for again (a collective whose waits are
+    Python): the recording refuses, naming ``what``. Nothing happens outside a recording."""
+    refuse = getattr(_sinks, "host_sync", None)
+    if refuse is not None:
+        refuse(what)
+
+
+@contextmanager
+def host_syncs_to(refuse: Callable[[str], None] | None) -> Iterator[None]:
+    """Report this thread's :func:`host_sync` calls to ``refuse`` inside the block."""
+    before = getattr(_sinks, "host_sync", None)
+    _sinks.host_sync = refuse
+    try:
+        yield
+    finally:
+        _sinks.host_sync = before
 
 
 def launch_scratch(floats: int) -> torch.Tensor | None:
