@@ -150,3 +150,9 @@ def test_output_kind_takes_a_kind_its_name_or_its_value(value: object, kind: Req
 def test_an_unknown_output_kind_is_refused_with_the_choices(value: object) -> None:
     with pytest.raises(ConfigError, match=r"output_kind must be one of cumulative, delta, final_only"):
         SamplingParams(output_kind=value)  # type: ignore[arg-type]
+
+
+def test_a_stream_reads_cumulative_text_whatever_the_output_kind() -> None:
+    whole = _run(_params())[0][-1].text
+    for kind in ("delta", "final_only"):
+        assert "".join(_engine().stream(PROMPT, _params(output_kind=kind))) == whole, kind

@@ -634,10 +634,14 @@ class LLMEngine:
     def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it grows (deltas), running the engine meanwhile.
 
-        Closing the iterator early (or an error) aborts the request.
+        Closing the iterator early (or an error) aborts the request. It reads the request's
+        cumulative outputs whatever ``params.output_kind`` says.
         """
+        params = params or SamplingParams()
+        if params.output_kind is not RequestOutputKind.CUMULATIVE:
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
         req_id = self.add_request(prompt, params)
-        stops = (params or SamplingParams()).stop
+        stops = params.stop
         # Text that may turn out to start a stop string is held back until it is decided.
         hold = max(map(len, stops), default=1) - 1
         shown = ""
