@@ -92,6 +92,34 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return s;
 }
 
+#if VL == 8
+/*
+ * Eight keys' scores at once: h8[t] holds key t's two accumulators added lane by lane, as dot()
+ * has them before its horizontal sum; the sums are formed across the eight vectors with the very
+ * additions dot() makes for each (lanes i and i + 4, then (0 + 2) + (1 + 3)), so every score has
+ * the same bits, and land in one vector in key order, instead of a horizontal sum and a scalar
+ * store per key and head. Measured (benchmarks/bench_cpu_attention.py, 8 rows x 550 keys, 4 / 2
+ * heads, D 16, 1 thread, AVX2 EPYC): 128-137 us a call before, 117-120 with this, 109-119 with
+ * this and the paired value sums below.
+ */
+static inline __attribute__((always_inline)) v8f hsum8(const v8f h8[8])
+{
+    /* keys (0, 4), (1, 5), (2, 6), (3, 7): [h4 of the first | h4 of the second] */
+    v8f v[4];
+    for (int32_t t = 0; t < 4; ++t) {
+        v[t] = __builtin_shufflevector(h8[t], h8[t + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(h8[t], h8[t + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+    /* (h4[0] + h4[2]), (h4[1] + h4[3]) of keys 0, 1 | 4, 5 and of keys 2, 3 | 6, 7 */
+    const v8f w1 = __builtin_shufflevector(v[0], v[1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                   __builtin_shufflevector(v[0], v[1], 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8f w2 = __builtin_shufflevector(v[2], v[3], 0, 1, 8, 9, 4, 5, 12, 13) +
+                   __builtin_shufflevector(v[2], v[3], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(w1, w2, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(w1, w2, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+#endif
+
 /* How many positions ahead the scores prefetch a row's keys (8: measured on SmolLM2's shapes, 16 rows of
  * 30-110 keys and 30 layers' caches, 1 thread: 219 -> 193 us a call median, the same bits). */
 #define KEYS_AHEAD 8
@@ -158,7 +186,39 @@ static inline __attribute__((always_inline)) int attend_position(
         }
     }
     /* Scores, [head][key]: each key is loaded once for every query head that reads it. */
-    for (int32_t j = 0; j < n; ++j) {
+    int32_t j8 = 0;
+#if VL == 8
+    if (d % 16 == 0 && d <= 32) {
+        /* Eight keys at a time (hsum8), their accumulators formed as dot() forms them. */
+        for (; j8 + 8 <= n; j8 += 8) {
+            for (int32_t j = j8; j < j8 + 8; ++j) {
+                prefetch_floats(v_cache + key_at[j], head_floats);
+                if (j + KEYS_AHEAD < n) {
+                    prefetch_floats(k_cache + key_at[j + KEYS_AHEAD], head_floats);
+                }
+            }
+            for (int32_t h = 0; h < he - hb; ++h) {
+                for (int32_t g = 0; g < group; ++g) {
+                    const int32_t head = h * group + g;
+                    const float *qh = q + (int64_t)((hb + h) * group + g) * q_stride_h;
+                    v8f h8[8];
+                    for (int32_t t = 0; t < 8; ++t) {
+                        const float *key = k_cache + key_at[j8 + t] + (int64_t)h * d;
+                        v8f acc0 = (v8f){0}, acc1 = (v8f){0};
+                        for (int32_t x = 0; x < d; x += 16) {
+                            acc0 += loadv(qh + x) * loadv(key + x);
+                            acc1 += loadv(qh + x + 8) * loadv(key + x + 8);
+                        }
+                        h8[t] = acc0 + acc1;
+                    }
+                    const v8f sc = hsum8(h8) * scale;
+                    memcpy(scores + (int64_t)head * n + j8, &sc, sizeof sc);
+                }
+            }
+        }
+    }
+#endif
+    for (int32_t j = j8; j < n; ++j) {
         const int64_t slot = key_at[j];
         prefetch_floats(v_cache + slot, head_floats);
         /* And the keys KEYS_AHEAD positions on: the hardware's stream stops at a page's end, and a
@@ -245,7 +305,37 @@ static inline __attribute__((always_inline)) int attend_position(
         /* Values, head by head: the head's output row stays in registers while its value rows
          * stream by (from L1/L2 after the first head of the KV head has read them). */
         for (int32_t h = 0; h < he - hb; ++h) {
-            for (int32_t g = 0; g < group; ++g) {
+            int32_t g = 0;
+            if (d <= 32) {
+                /* Small heads: two query heads of the KV head at once, so twice d / VL chains of
+                 * FMAs run side by side (at D 16 on AVX2 two chains a head left the loop waiting on
+                 * FMA latency); each head's sum in the same order, so the same bits. */
+                for (; g + 2 <= group; g += 2) {
+                    const int32_t head = h * group + g;
+                    const float *w0 = scores + (int64_t)head * n, *w1 = w0 + n;
+                    vecf a0[32 / VL] = {{0}}, a1[32 / VL] = {{0}};
+                    for (int32_t j = 0; j < n; ++j) {
+                        const float *vh = v_cache + key_at[j] + (int64_t)h * d;
+                        if (head == 0) {
+                            prefetch_next_keys(k_cache, next_row, next_len, j, num_blocks, block_size,
+                                               token_stride, (int64_t)hb * d, head_floats);
+                        }
+                        const float wj0 = w0[j], wj1 = w1[j];
+                        for (int32_t c = 0; c < d / VL; ++c) {
+                            const vecf vv = loadv(vh + VL * c);
+                            a0[c] += wj0 * vv;
+                            a1[c] += wj1 * vv;
+                        }
+                    }
+                    float *og = out + (int64_t)(hb * group + head) * d;
+                    for (int32_t c = 0; c < d / VL; ++c) {
+                        const vecf o0 = a0[c] * inv_sum[head], o1 = a1[c] * inv_sum[head + 1];
+                        memcpy(og + VL * c, &o0, sizeof o0);
+                        memcpy(og + d + VL * c, &o1, sizeof o1);
+                    }
+                }
+            }
+            for (; g < group; ++g) {
                 const int32_t head = h * group + g;
                 const float *w = scores + (int64_t)head * n;
                 vecf a[256 / VL];
