@@ -138,15 +138,14 @@ class ShmCommunicator:
 
     name = "shm"
 
-    def __init__(self, segment: Segment, *, compiled: bool = True) -> None:
+    def __init__(self, segment: Segment) -> None:
         self.seg = segment
         self.rank = segment.rank
         self.world_size = segment.layout.world_size
         lay = segment.layout
-        #: the C all-reduce's fixed arguments (None: the Python collective; ``compiled`` False, or
-        #: no compiler)
+        #: the C all-reduce's fixed arguments (None: no compiler, the Python collective serves)
         self._c_args: tuple[int, ...] | None = None
-        if compiled and _c_all_reduce() is not None:
+        if _c_all_reduce() is not None:
             timeout = segment.timeout_s
             self._c_args = (
                 segment.address,
