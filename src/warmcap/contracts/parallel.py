@@ -25,6 +25,12 @@ class Communicator(Protocol):
 
     name: str
 
+    @property
+    def replayable(self) -> bool:
+        """Whether its all-reduce is a C call a recorded CPU graph can replay
+        (``graphs/capture/cpu_program.py``)."""
+        ...
+
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor: ...

@@ -378,9 +378,8 @@ class GraphCapturer:
             return "recording is off (--no-record-cpu-graphs)"
         if spec.num_tokens > RECORD_MAX_TOKENS:
             return f"{spec.num_tokens} tokens, past the recording limit of {RECORD_MAX_TOKENS}"
-        if self.runner.config.tensor_parallel_size > 1 and not getattr(
-            parallel_state().comm, "replayable", False
-        ):
+        comm = parallel_state().comm
+        if self.runner.config.tensor_parallel_size > 1 and (comm is None or not comm.replayable):
             return "tensor-parallel ranks synchronise their all-reduces on the host (gloo: only the shared-memory all-reduce in C records)"
         if any(isinstance(m, MambaMetadata) for m in metas.values()):
             return "Mamba state columns are planned on the host before each pass"

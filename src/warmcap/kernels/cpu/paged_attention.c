@@ -147,6 +147,19 @@ static inline void prefetch_next_keys(const float *k_cache, const int32_t *next_
     }
 }
 
+/* While the scores read key j: its values (the value sums find them close by), and the keys
+ * KEYS_AHEAD positions on (the hardware's stream stops at a page's end, and a row's first keys were
+ * not fetched while the row before it summed its values). */
+static inline __attribute__((always_inline)) void prefetch_position(const float *k_cache, const float *v_cache,
+                                                                     const int64_t *key_at, int32_t j, int32_t n,
+                                                                     int64_t head_floats)
+{
+    prefetch_floats(v_cache + key_at[j], head_floats);
+    if (j + KEYS_AHEAD < n) {
+        prefetch_floats(k_cache + key_at[j + KEYS_AHEAD], head_floats);
+    }
+}
+
 /*
  * One query position of one row: the query heads of KV heads [hb, he). out and q point at the token's
  * head 0. The scores read each token's keys for all those heads at once, in position order, so a
@@ -192,10 +205,7 @@ static inline __attribute__((always_inline)) int attend_position(
         /* Eight keys at a time (hsum8), their accumulators formed as dot() forms them. */
         for (; j8 + 8 <= n; j8 += 8) {
             for (int32_t j = j8; j < j8 + 8; ++j) {
-                prefetch_floats(v_cache + key_at[j], head_floats);
-                if (j + KEYS_AHEAD < n) {
-                    prefetch_floats(k_cache + key_at[j + KEYS_AHEAD], head_floats);
-                }
+                prefetch_position(k_cache, v_cache, key_at, j, n, head_floats);
             }
             for (int32_t h = 0; h < he - hb; ++h) {
                 for (int32_t g = 0; g < group; ++g) {
@@ -220,12 +230,7 @@ static inline __attribute__((always_inline)) int attend_position(
 #endif
     for (int32_t j = j8; j < n; ++j) {
         const int64_t slot = key_at[j];
-        prefetch_floats(v_cache + slot, head_floats);
-        /* And the keys KEYS_AHEAD positions on: the hardware's stream stops at a page's end, and a
-         * row's first keys were not fetched while the row before it summed its values. */
-        if (j + KEYS_AHEAD < n) {
-            prefetch_floats(k_cache + key_at[j + KEYS_AHEAD], head_floats);
-        }
+        prefetch_position(k_cache, v_cache, key_at, j, n, head_floats);
         for (int32_t h = 0; h < he - hb; ++h) {
             const float *key = k_cache + slot + (int64_t)h * d;
             for (int32_t g = 0; g < group; ++g) {
