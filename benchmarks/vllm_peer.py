@@ -24,9 +24,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_compat import readable_model_dir
+
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in setup["prompt_ids"]]
     llm = LLM(
-        model=setup["model"],
+        model=str(readable_model_dir(setup["model"])),
         dtype="float32",
         enforce_eager=setup["enforce_eager"],
         max_model_len=setup["max_model_len"],
