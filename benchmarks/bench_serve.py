@@ -213,7 +213,7 @@ def main() -> None:
         type=int,
         default=None,
         help="Model threads (torch intra-op) for the engine, offline and served alike; default what "
-        "warmup serve picks (all cores but one on CPU).",
+        "warmup serve picks (one per core on CPU).",
     )
     args = ap.parse_args()
     # Progress must show when stdout is a file (a long run on a busy machine).

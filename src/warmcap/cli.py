@@ -589,7 +589,7 @@ def serve(
         int | None,
         typer.Option(
             "--model-threads",
-            help="CPU threads for the model (torch intra-op). Default: all cores but one, left to the HTTP side.",
+            help="CPU threads for the model (torch intra-op). Default: one per core this process may use.",
         ),
     ] = None,
     quiet: Quiet = False,

@@ -40,25 +40,27 @@ class _Server(QuietExitServer):
 
 def serving_model_threads(device: str, requested: int | None) -> int | None:
     """Intra-op threads the model gets while serving on CPU: ``requested``, or else (with no
-    ``OMP_NUM_THREADS`` set) every core this process may use but one, which is left to the HTTP
-    side. None: leave torch's setting alone (a GPU, or the environment chose).
+    ``OMP_NUM_THREADS`` set) one for every core this process may use. None: leave torch's setting
+    alone (a GPU, or the environment chose).
 
-    The engine and the server share one process; with every core running model threads, each
-    streamed chunk pre-empts one of them and the whole parallel GEMM waits for it (measured on 2
-    cores: 51 tokens/s served with 2 model threads against 69 with 1, BENCHMARKS.md). vLLM's CPU
-    build reserves a core for its front end for the same reason.
+    The HTTP side (the event loop, detokenisation, streaming) shares the process and its cores with
+    the model threads and pre-empts one of them now and then; on two cores a second model thread
+    still serves more at every client level (vLLM's benchmark client at 1, 8 and 32 clients: 1.34x,
+    1.77x and 1.75x one thread's output rate, BENCHMARKS.md, "warmup serve against vllm serve").
+    vLLM's CPU build likewise binds an OpenMP thread to every core of its node with one rank, and
+    keeps a core back only with several ranks.
     """
     if requested is not None:
         if requested < 1:
             raise ConfigError(
-                f"--model-threads {requested} must be at least 1 (or left unset for all cores but one)"
+                f"--model-threads {requested} must be at least 1 (or left unset for one per core)"
             )
         return requested
     if resolve_device(device).type != "cpu":
         return None
     if env.is_set("OMP_NUM_THREADS"):
         return None
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return len(os.sched_getaffinity(0))
 
 
 class _StderrHandler(logging.StreamHandler):
