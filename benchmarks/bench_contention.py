@@ -28,7 +28,8 @@ Peers (``--peers``, comma-separated): ``NAME=TREE`` runs ``warmcap_peer.py`` wit
 49e82ec``); ``NAME=TREE@KEY=VALUE@...`` adds environment variables to that peer (``OMP_WAIT_POLICY``,
 ...) and ``@arg:NAME=VALUE`` an ``LLM`` keyword (``@arg:cpu_threads_bind=none``); ``vllm`` runs ``vllm_peer.py`` with ``--vllm-python``, its threads
 pinned to cores ``0..threads-1`` (``VLLM_CPU_OMP_THREADS_BIND``, as ``bench_throughput.py`` pins
-them).
+them); ``vllm@tp=2`` runs it with ``tensor_parallel_size=2``, the ``--threads`` cores split between its
+ranks (named ``vllm_tp2``).
 
 The summary gives, per thread count and scenario: each peer's median and its rounds' spread (worst
 round / median), every warmcap peer's median against vLLM's and against the first peer's, and the
@@ -179,18 +180,25 @@ def parse_peers(spec: str, args: argparse.Namespace, base_setup: dict[str, objec
     peers = []
     for item in spec.split(","):
         item = item.strip()
-        if item == "vllm":
+        if item == "vllm" or item.startswith("vllm@"):
             if not Path(args.vllm_python).is_file():
                 sys.exit(
                     f"vLLM's interpreter {str(args.vllm_python)!r} does not exist: run "
                     "benchmarks/setup_vllm_cpu.sh or pass --vllm-python"
                 )
+            tp = 1
+            for extra in item.split("@")[1:]:
+                key, eq, value = extra.partition("=")
+                if key != "tp" or not value.isdigit() or int(value) < 1:
+                    sys.exit(f"peer {item!r}: vLLM takes only @tp=N (its tensor-parallel size)")
+                tp = int(value)
             env = dict(BASE_ENV)
             env.pop("PYTHONPATH", None)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads_now <= 1 else f"0-{args.threads_now - 1}"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_bind(args.threads_now, tp)
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            setup = {**base_setup, "enable_prefix_caching": True}
-            peers.append(Peer("vllm", [str(args.vllm_python), str(HERE / "vllm_peer.py")], env, setup))
+            setup = {**base_setup, "enable_prefix_caching": True, "tensor_parallel_size": tp}
+            name = "vllm" if tp == 1 else f"vllm_tp{tp}"
+            peers.append(Peer(name, [str(args.vllm_python), str(HERE / "vllm_peer.py")], env, setup))
             continue
         name, sep, rest = item.partition("=")
         if not sep:
@@ -213,6 +221,17 @@ def parse_peers(spec: str, args: argparse.Namespace, base_setup: dict[str, objec
         setup = {**base_setup, "threads": args.threads_now, "engine_args": engine_args}
         peers.append(Peer(name, [sys.executable, str(HERE / "warmcap_peer.py")], env, setup))
     return peers
+
+
+def vllm_bind(threads: int, tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` model threads in all: one rank on cores
+    ``0..threads-1``; with ``tp`` ranks, the cores split evenly, a list per rank separated by ``|``
+    (vLLM's own choice with several ranks keeps a core back for its front end, which on two cores
+    leaves one core for two ranks)."""
+    if tp == 1:
+        return "0" if threads <= 1 else f"0-{threads - 1}"
+    each = max(1, threads // tp)
+    return "|".join(f"{r * each}" if each == 1 else f"{r * each}-{(r + 1) * each - 1}" for r in range(tp))
 
 
 def burner_for(scenario: str, args: argparse.Namespace) -> Burner | None:
@@ -352,19 +371,19 @@ def main() -> None:
 
 def summarize(threads: int, scenarios: list[str], peers: list[Peer]) -> None:
     print(f"summary, {threads} thread(s): median tok/s [worst round / median]; ratios of medians")
-    first = next((p for p in peers if p.name != "vllm"), None)
-    vllm = next((p for p in peers if p.name == "vllm"), None)
+    ours = [p for p in peers if not p.name.startswith("vllm")]
+    vllms = [p for p in peers if p.name.startswith("vllm")]
+    first = ours[0] if ours else None
     for scenario in scenarios:
         med = {p.name: statistics.median(p.seconds[(threads, scenario)]) for p in peers}
         worst = {p.name: min(p.seconds[(threads, scenario)]) for p in peers}
         parts = [f"{p.name} {med[p.name]:.1f} [{worst[p.name] / med[p.name]:.2f}]" for p in peers]
         ratios = []
-        for p in peers:
-            if p.name == "vllm":
-                continue
-            if vllm is not None:
+        for p in ours:
+            for v in vllms:
                 ratios.append(
-                    f"{p.name}/vllm {med[p.name] / med['vllm']:.2f}x (worst round {worst[p.name] / med['vllm']:.2f}x)"
+                    f"{p.name}/{v.name} {med[p.name] / med[v.name]:.2f}x "
+                    f"(worst round {worst[p.name] / med[v.name]:.2f}x)"
                 )
             if first is not None and p is not first:
                 ratios.append(f"{p.name}/{first.name} {med[p.name] / med[first.name]:.2f}x")

