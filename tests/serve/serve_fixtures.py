@@ -18,6 +18,17 @@ from warmcap.serve.state import ServerState
 
 STARTUP_TIMEOUT_S = 240.0
 
+#: the small engine most server tests run: tiny-llama on CPU, eager, a 128-block pool
+TINY_MODEL = "tiny-llama"
+TINY_ENGINE_KW = {
+    "num_blocks": 128,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "device": "cpu",
+    "enforce_eager": True,
+}
+
 
 @dataclass
 class Running:

@@ -12,20 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from serve_fixtures import metric, running
+from serve_fixtures import TINY_ENGINE_KW, TINY_MODEL, metric, running
 
 from warmcap.llm import build_config
 from warmcap.serve import ServeOptions, build_app
 
-MODEL = "tiny-llama"
-ENGINE_KW = {
-    "num_blocks": 128,
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,
-    "device": "cpu",
-    "enforce_eager": True,
-}
+MODEL = TINY_MODEL
+ENGINE_KW = TINY_ENGINE_KW
 
 
 @pytest.fixture(scope="module")

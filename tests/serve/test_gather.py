@@ -12,21 +12,14 @@ import time
 
 import httpx
 import pytest
-from serve_fixtures import running
+from serve_fixtures import TINY_ENGINE_KW, TINY_MODEL, running
 
 import warmcap.serve.engine_loop as engine_loop
 from warmcap.llm import build_config
 from warmcap.serve import ServeOptions, build_app
 
-MODEL = "tiny-llama"
-ENGINE_KW = {
-    "num_blocks": 128,
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,
-    "device": "cpu",
-    "enforce_eager": True,
-}
+MODEL = TINY_MODEL
+ENGINE_KW = TINY_ENGINE_KW
 SPACING_S = 0.05
 
 

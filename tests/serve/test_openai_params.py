@@ -8,22 +8,15 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from serve_fixtures import running
+from serve_fixtures import TINY_ENGINE_KW, TINY_MODEL, running
 
 from warmcap.llm import LLM, build_config
 from warmcap.sampling_params import SamplingParams
 from warmcap.serve import ServeOptions, build_app
 from warmcap.serve.protocol import SYSTEM_FINGERPRINT
 
-MODEL = "tiny-llama"
-ENGINE_KW = {
-    "num_blocks": 128,
-    "max_model_len": 256,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,
-    "device": "cpu",
-    "enforce_eager": True,
-}
+MODEL = TINY_MODEL
+ENGINE_KW = TINY_ENGINE_KW
 PROMPTS = ["The capital of France is", "one two three one two three one two"]
 LOGPROB_TOL = 1e-4
 
