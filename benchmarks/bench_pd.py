@@ -14,7 +14,6 @@ then all of them by ``--concurrency`` clients at once (output tokens per second)
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import threading
 import time
@@ -22,13 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 # the same streaming client and workload as the serving benchmark (this script's folder is on sys.path)
-from bench_serve import load_prompts, one_request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_serve import free_port, load_prompts, one_request
 
 
 def serve_thread(app) -> tuple[str, object, threading.Thread]:

@@ -57,6 +57,13 @@ def load_prompts(n: int) -> list[str]:
     return [r["prompt"] for r in rows[:n]]
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -149,9 +156,7 @@ def serve_startup(model: str, extra: list[str], timeout: float = 600.0) -> tuple
     import httpx
     import psutil
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = "from warmcap.cli import main; main()"
     argv = [sys.executable, "-c", code, "serve", "--model", model, "--port", str(port), "-q", *extra]
     t0 = time.perf_counter()

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,15 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_serve import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loadavg() -> str:
@@ -198,7 +193,6 @@ def main() -> None:
     from warmcap.models.presets import resolve_model
 
     model_dir = resolve_model(args.model)
-    sys.path.insert(0, str(HERE))
     compat = subprocess.run(
         [args.vllm_python, str(HERE / "vllm_compat.py"), str(model_dir)],
         capture_output=True,
@@ -287,18 +281,16 @@ def main() -> None:
             server.stop()
     print("summary (median over rounds):")
     for c in levels:
-        rate = {
-            s.name: statistics.median(
-                r["output_tok_s"] for r in results if r["server"] == s.name and r["concurrency"] == c
-            )
-            for s in servers
-        }
-        p99 = {
-            s.name: statistics.median(
-                r["ttft_p99_ms"] for r in results if r["server"] == s.name and r["concurrency"] == c
-            )
-            for s in servers
-        }
+
+        def median_of(key: str, c: int = c) -> dict[str, float]:
+            return {
+                s.name: statistics.median(
+                    r[key] for r in results if r["server"] == s.name and r["concurrency"] == c
+                )
+                for s in servers
+            }
+
+        rate, p99 = median_of("output_tok_s"), median_of("ttft_p99_ms")
         failed = sum(r["failed"] for r in results if r["concurrency"] == c)
         print(
             f"  c={c:<3} warmcap {rate['warmcap']:7.1f} vs vLLM {rate['vllm']:7.1f} out tok/s "

@@ -1,5 +1,5 @@
 """A server on CPU runs a model thread on every core it may use unless told otherwise (BENCHMARKS.md,
-"warmup serve against vllm serve": on two cores, two model threads serve more than one at 1, 8 and 32
+"vLLM as the peer again on AVX2": on two cores, two model threads serve more than one at 1, 8 and 32
 clients), an explicit ``--model-threads`` or ``OMP_NUM_THREADS`` wins."""
 
 from __future__ import annotations

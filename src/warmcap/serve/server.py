@@ -45,8 +45,8 @@ def serving_model_threads(device: str, requested: int | None) -> int | None:
 
     The HTTP side (the event loop, detokenisation, streaming) shares the process and its cores with
     the model threads and pre-empts one of them now and then; on two cores a second model thread
-    still serves more at every client level (vLLM's benchmark client at 1, 8 and 32 clients: 1.34x,
-    1.77x and 1.75x one thread's output rate, BENCHMARKS.md, "warmup serve against vllm serve").
+    still serves more at every client level (vLLM's benchmark client at 1, 8 and 32 clients: 1.33x,
+    1.77x and 1.75x one thread's output rate, BENCHMARKS.md, "vLLM as the peer again on AVX2").
     vLLM's CPU build likewise binds an OpenMP thread to every core of its node with one rank, and
     keeps a core back only with several ranks.
     """
