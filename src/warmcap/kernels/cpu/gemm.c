@@ -238,6 +238,23 @@ static inline __attribute__((always_inline)) float silu(float g)
     return (g >= 0.0f ? g : g * t) / (1.0f + t);
 }
 
+typedef int32_t veci __attribute__((vector_size(LANES * 4)));
+
+/* silu on each lane, the scalar function's expressions with its selections as bit masks: every lane
+ * has silu()'s bits. The scalar one's ternaries keep a loop over it scalar (exp_nonpositive.h), and
+ * a prefill's 30 x M x 1536 SiLUs then cost a third of the gated MLP's multiply-adds. */
+static inline __attribute__((always_inline)) vec silu_v(vec g)
+{
+    const veci nonneg = g >= (vec){0}; /* all ones where g >= 0; false for NaN */
+    const vec neg = -g;
+    const vec arg = (vec)(((veci)neg & nonneg) | ((veci)g & ~nonneg));
+    vec t;
+    WARMCAP_EXP_NONPOSITIVE_V(vec, veci, arg, t);
+    const vec gt = g * t;
+    const vec num = (vec)(((veci)g & nonneg) | ((veci)gt & ~nonneg));
+    return num / (1.0f + t);
+}
+
 /* A gated MLP's tiles go to these stack buffers first: up to 16 rows of 8 blocks. */
 #define GROUP_FLOATS (BLOCK * 8 * BLOCK)
 
@@ -277,8 +294,12 @@ static void column_range(const float *xt_all, const float *wp, const float *bias
                             up_bias == NULL ? NULL : up_bias + n0);
                     for (int64_t r = 0; r < rows; ++r) {
                         const float *g = gate_tile + r * cols, *u = up_tile + r * cols;
-#pragma omp simd
-                        for (int64_t i = 0; i < cols; ++i) {
+                        int64_t i = 0;
+                        for (; i + LANES <= cols; i += LANES) {
+                            const vec s = silu_v(*(const vecu *)(g + i)) * *(const vecu *)(u + i);
+                            __builtin_memcpy(o + r * ldo + i, &s, sizeof s);
+                        }
+                        for (; i < cols; ++i) {
                             o[r * ldo + i] = silu(g[i]) * u[i];
                         }
                     }
