@@ -35,13 +35,19 @@ log = logging.getLogger("warmcap.serve")
 #: how often an engine with only KV transfers pending looks at them
 _TRANSFER_POLL_S = 0.002
 
-#: Gathering a burst. When work reaches an idle engine, or a step has just ended requests (closed-loop
-#: clients send their next request as soon as the last one ends), the engine waits up to
-#: ``_GATHER_FIRST_S`` for a request, then ``_GATHER_GAP_S`` after each one that comes, at most
-#: ``_GATHER_MAX_S`` in all, before it schedules. Without it the first request of a burst takes a
-#: step alone (a prefill of hundreds of milliseconds on CPU) and the rest, arriving milliseconds
-#: later, wait for that step; vLLM's front end hands its engine process requests in batches. It costs
-#: a lone request at most ``_GATHER_GAP_S`` and a step that ended requests at most ``_GATHER_MAX_S``.
+#: Gathering a burst. When work reaches an idle engine, it waits up to ``_GATHER_IDLE_FIRST_S`` for a
+#: second request, then ``_GATHER_GAP_S`` after each one that comes, at most ``_GATHER_IDLE_MAX_S``
+#: in all, before it schedules; after a step that ended requests (closed-loop clients send their
+#: next request as soon as the last one ends) it waits ``_GATHER_FIRST_S``, then the gap, at most
+#: ``_GATHER_MAX_S`` (short: the running requests wait too). Without it the first request of a
+#: burst takes a step alone (a prefill of hundreds of milliseconds on CPU) and the rest, arriving
+#: milliseconds later, wait for that step; vLLM's front end hands its engine process requests in
+#: batches. Measured under ``vllm bench serve`` at 32 clients on 2 cores: a burst's first request
+#: reached the engine 8.9 ms before its second, the other 30 came 0.3 ms apart, 25 ms in all
+#: (BENCHMARKS.md, "Serving at 32 clients: ..."). A lone request pays at most
+#: ``_GATHER_IDLE_FIRST_S``; a step that ended requests at most ``_GATHER_MAX_S``.
+_GATHER_IDLE_FIRST_S = 0.012
+_GATHER_IDLE_MAX_S = 0.060
 _GATHER_FIRST_S = 0.005
 _GATHER_GAP_S = 0.002
 _GATHER_MAX_S = 0.010
@@ -237,9 +243,9 @@ class EngineLoop:
             polling = not idle and not engine.scheduler.running and not engine.scheduler.waiting
             commands = self._drain(block=idle, timeout=_TRANSFER_POLL_S if polling else None)
             if idle and commands:
-                commands += self._gather(_GATHER_GAP_S)
+                commands += self._gather(_GATHER_IDLE_FIRST_S, _GATHER_IDLE_MAX_S)
             elif ended:
-                commands += self._gather(_GATHER_FIRST_S)
+                commands += self._gather(_GATHER_FIRST_S, _GATHER_MAX_S)
             ended = False
             for i, command in enumerate(commands):
                 if isinstance(command, _Stop):
@@ -271,11 +277,11 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _gather(self, first_wait: float) -> list[_Add | _Abort | _Stop]:
+    def _gather(self, first_wait: float, max_wait: float) -> list[_Add | _Abort | _Stop]:
         """Commands arriving within ``first_wait``, then within ``_GATHER_GAP_S`` of each other, for
-        at most ``_GATHER_MAX_S`` (see ``_GATHER_FIRST_S``)."""
+        at most ``max_wait`` (see ``_GATHER_IDLE_FIRST_S``)."""
         got: list[_Add | _Abort | _Stop] = []
-        deadline = time.monotonic() + _GATHER_MAX_S
+        deadline = time.monotonic() + max_wait
         wait = first_wait
         while True:
             left = min(wait, deadline - time.monotonic())
