@@ -191,6 +191,33 @@ def test_plan_is_rederived_when_metadata_buffers_change_in_place(inference):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_decode_beside_prompt_chunks_gets_the_bits_of_a_decode_only_step(window):
+    """A step of decodes then prompt chunks (as the scheduler orders running requests first): the
+    decodes are cut off and go to the kernel, as in a step of decodes alone, instead of being padded
+    to the chunks' query span through SDPA, so a decode's attention does not depend on the prompts
+    scheduled beside it; the chunks still match the reference."""
+    gen = torch.Generator().manual_seed(3)
+    kwargs = {"num_kv_heads": 2, "group": 3, "window": window, "pad_rows": 1, "pad_tokens": 3}
+    batch = make_batch(gen, [(20, 1), (37, 1), (9, 2), (0, 30), (5, 12), (44, 1)], **kwargs)
+    n = batch.num_real_tokens
+    mixed = TorchPagedAttention().forward(
+        batch.q, batch.k, batch.v, batch.cache.clone(), batch.meta, scale=0.4, sliding_window=window
+    )
+    expected = reference(batch, group=3, scale=0.4, window=window)
+    torch.testing.assert_close(mixed[:n], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(mixed[n:], torch.zeros_like(mixed[n:]))
+    # The three leading short rows (4 tokens) as a step of their own.
+    m = batch.meta
+    alone = paged_metadata(
+        [0, 1, 2, 4], m.seq_lens[:3].tolist(), m.block_table[:3], m.slot_mapping[:4], BLOCK_SIZE
+    )
+    out = TorchPagedAttention().forward(
+        batch.q[:4], batch.k[:4], batch.v[:4], batch.cache.clone(), alone, scale=0.4, sliding_window=window
+    )
+    assert torch.equal(mixed[:4], out), (mixed[:4] - out).abs().max()
+
+
 def test_bf16_cache_matches_fp32_reference_loosely():
     gen = torch.Generator().manual_seed(2)
     kwargs = {"num_kv_heads": 2, "group": 2, "window": 9, "pad_rows": 1, "pad_tokens": 2}
