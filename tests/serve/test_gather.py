@@ -69,7 +69,7 @@ def _send_spaced(server, prompts: list[str], max_tokens: int) -> list[float]:
 
 def test_a_burst_reaching_an_idle_server_shares_its_first_step(server, steps, monkeypatch) -> None:
     monkeypatch.setattr(engine_loop, "_GATHER_IDLE_FIRST_S", 0.5)
-    monkeypatch.setattr(engine_loop, "_GATHER_GAP_S", 0.5)
+    monkeypatch.setattr(engine_loop, "_GATHER_IDLE_GAP_S", 0.5)
     monkeypatch.setattr(engine_loop, "_GATHER_IDLE_MAX_S", 5.0)
     prompts = [f"Request number {i} of a burst:" for i in range(4)]
     _send_spaced(server, prompts, max_tokens=2)
@@ -84,7 +84,7 @@ def test_a_burst_whose_second_request_lags_its_first_still_shares_the_first_step
     rest ~0.3 ms apart: the idle engine waits longer for a second request than between later ones.
     Here the first wait covers the requests' spacing and the gap does not."""
     monkeypatch.setattr(engine_loop, "_GATHER_IDLE_FIRST_S", 0.5)
-    monkeypatch.setattr(engine_loop, "_GATHER_GAP_S", SPACING_S / 10)
+    monkeypatch.setattr(engine_loop, "_GATHER_IDLE_GAP_S", SPACING_S / 10)
     monkeypatch.setattr(engine_loop, "_GATHER_IDLE_MAX_S", 5.0)
     _send_spaced(server, ["The first of two:", "The second of two:"], max_tokens=2)
     assert steps, "no step ran"
@@ -94,7 +94,7 @@ def test_a_burst_whose_second_request_lags_its_first_still_shares_the_first_step
 def test_a_burst_is_not_waited_for_past_its_window(server, steps, monkeypatch) -> None:
     # A gap wider than the window: the first request runs without waiting for the second.
     monkeypatch.setattr(engine_loop, "_GATHER_IDLE_FIRST_S", SPACING_S / 10)
-    monkeypatch.setattr(engine_loop, "_GATHER_GAP_S", SPACING_S / 10)
+    monkeypatch.setattr(engine_loop, "_GATHER_IDLE_GAP_S", SPACING_S / 10)
     monkeypatch.setattr(engine_loop, "_GATHER_IDLE_MAX_S", SPACING_S / 5)
     done: list[float] = []
     first = threading.Thread(target=_complete, args=(server, "A lone request:", 1, done))

@@ -36,17 +36,19 @@ log = logging.getLogger("warmcap.serve")
 _TRANSFER_POLL_S = 0.002
 
 #: Gathering a burst. When work reaches an idle engine, it waits up to ``_GATHER_IDLE_FIRST_S`` for a
-#: second request, then ``_GATHER_GAP_S`` after each one that comes, at most ``_GATHER_IDLE_MAX_S``
-#: in all, before it schedules; after a step that ended requests (closed-loop clients send their
-#: next request as soon as the last one ends) it waits ``_GATHER_FIRST_S``, then the gap, at most
-#: ``_GATHER_MAX_S`` (short: the running requests wait too). Without it the first request of a
-#: burst takes a step alone (a prefill of hundreds of milliseconds on CPU) and the rest, arriving
-#: milliseconds later, wait for that step; vLLM's front end hands its engine process requests in
-#: batches. Measured under ``vllm bench serve`` at 32 clients on 2 cores: a burst's first request
-#: reached the engine 8.9 ms before its second, the other 30 came 0.3 ms apart, 25 ms in all
-#: (BENCHMARKS.md, "Serving at 32 clients: ..."). A lone request pays at most
-#: ``_GATHER_IDLE_FIRST_S``; a step that ended requests at most ``_GATHER_MAX_S``.
+#: second request, then ``_GATHER_IDLE_GAP_S`` after each one that comes, at most
+#: ``_GATHER_IDLE_MAX_S`` in all, before it schedules; after a step that ended requests (closed-loop
+#: clients send their next request as soon as the last one ends) it waits ``_GATHER_FIRST_S``, then
+#: ``_GATHER_GAP_S`` after each, at most ``_GATHER_MAX_S`` (short: the running requests wait too).
+#: Without it the first request of a burst takes a step alone (a prefill of hundreds of milliseconds
+#: on CPU) and the rest, arriving milliseconds later, wait for that step; vLLM's front end hands its
+#: engine process requests in batches. Measured under ``vllm bench serve`` at 32 clients on 2 cores
+#: (BENCHMARKS.md, "A burst shares its first step ..."): a burst's first request reached the engine
+#: 8.9 ms before its second, the rest mostly 0.3 ms apart, but with a pause somewhere that a 2 ms
+#: gap took for the end (11 of 32 in the first step, 3 prefill steps instead of 2). A lone request
+#: pays at most ``_GATHER_IDLE_FIRST_S``; a step that ended requests at most ``_GATHER_MAX_S``.
 _GATHER_IDLE_FIRST_S = 0.012
+_GATHER_IDLE_GAP_S = 0.010
 _GATHER_IDLE_MAX_S = 0.060
 _GATHER_FIRST_S = 0.005
 _GATHER_GAP_S = 0.002
@@ -243,9 +245,9 @@ class EngineLoop:
             polling = not idle and not engine.scheduler.running and not engine.scheduler.waiting
             commands = self._drain(block=idle, timeout=_TRANSFER_POLL_S if polling else None)
             if idle and commands:
-                commands += self._gather(_GATHER_IDLE_FIRST_S, _GATHER_IDLE_MAX_S)
+                commands += self._gather(_GATHER_IDLE_FIRST_S, _GATHER_IDLE_GAP_S, _GATHER_IDLE_MAX_S)
             elif ended:
-                commands += self._gather(_GATHER_FIRST_S, _GATHER_MAX_S)
+                commands += self._gather(_GATHER_FIRST_S, _GATHER_GAP_S, _GATHER_MAX_S)
             ended = False
             for i, command in enumerate(commands):
                 if isinstance(command, _Stop):
@@ -277,9 +279,9 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _gather(self, first_wait: float, max_wait: float) -> list[_Add | _Abort | _Stop]:
-        """Commands arriving within ``first_wait``, then within ``_GATHER_GAP_S`` of each other, for
-        at most ``max_wait`` (see ``_GATHER_IDLE_FIRST_S``)."""
+    def _gather(self, first_wait: float, gap: float, max_wait: float) -> list[_Add | _Abort | _Stop]:
+        """Commands arriving within ``first_wait``, then within ``gap`` of each other, for at most
+        ``max_wait`` (see ``_GATHER_IDLE_FIRST_S``)."""
         got: list[_Add | _Abort | _Stop] = []
         deadline = time.monotonic() + max_wait
         wait = first_wait
@@ -291,7 +293,7 @@ class EngineLoop:
                 got.append(self._commands.get(timeout=left))
             except queue.Empty:
                 return got
-            wait = _GATHER_GAP_S
+            wait = gap
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
         prompt = command.prompt
