@@ -10,7 +10,9 @@ Each (source, -march) pair is compiled with the package's flags for ``gemm.c`` (
 vector ``vmov*`` with an ``(%rsp)`` or ``(%rbp)`` operand: spills and reloads, plus the epilogue's
 copies for partial column blocks; ``vmovaps/vmovups`` alone are the float-vector spills. Timing: one
 pass is the q/k/v, o, gate/up and down products of ``--layers`` layers (each layer its own weights,
-so they stream from beyond L2), at M rows, 1 thread; builds alternate within every round, and the
+so they stream from beyond L2), at M rows, ``--threads`` threads (1 by default); the gate/up product
+is the fused ``warmcap_gemm_silu_mul`` the model calls, its SiLU epilogue included (before
+2026-12-05 it was timed as a plain product of 3072 columns); builds alternate within every round, and the
 median of rounds is printed with each build's time over the ``--against`` build of the same
 ``-march``. Every build's outputs are compared bit for bit with the package build's.
 """
@@ -33,8 +35,9 @@ import torch
 from warmcap.kernels.cpu.build import compiler, flags_of
 from warmcap.kernels.cpu.gemm import BlockedWeight, padded
 
-#: SmolLM2-135M's products per layer: (K, N) of q/k/v, o, gate/up, down
-SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+#: SmolLM2-135M's products per layer: (K, N, gated) of q/k/v, o, gate/up (N = both halves; gated:
+#: through warmcap_gemm_silu_mul, N/2 outputs), down
+SHAPES = [(576, 960, False), (576, 576, False), (576, 3072, True), (1536, 576, False)]
 _STACK_MOVE = re.compile(r"\svmov\S*\s.*\(%r[sb]p\)")
 _FLOAT_SPILL = re.compile(r"\svmov[au]ps\s.*\(%r[sb]p\)")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -64,8 +67,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads a product")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if shutil.which("objdump") is None:
         raise SystemExit("objdump not found (binutils)")
     tmp = Path(tempfile.mkdtemp(prefix="gemm-isa-"))
@@ -77,12 +81,13 @@ def main() -> None:
         for name, source in sources.items():
             for march in args.march.split(","):
                 so = tmp / f"{name}-{march}.so"
-                fn = build(source, march, so).warmcap_gemm
-                fn.argtypes, fn.restype = (
-                    [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int32],
-                    None,
-                )
-                fns[f"{name}/{march}"] = fn
+                lib = build(source, march, so)
+                for fn in (lib.warmcap_gemm, lib.warmcap_gemm_silu_mul):
+                    fn.argtypes, fn.restype = (
+                        [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int32],
+                        None,
+                    )
+                fns[f"{name}/{march}"] = (lib.warmcap_gemm, lib.warmcap_gemm_silu_mul)
                 moves, spills = stack_moves(so)
                 print(
                     f"{name:8s} -march={march:15s} stack vector moves {moves:6d} (vmovaps/vmovups {spills})"
@@ -90,7 +95,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES * args.layers
     weights = [
-        BlockedWeight.pack(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)) for k, n in shapes
+        BlockedWeight.pack(torch.randn(n, k, generator=gen), torch.randn(n, generator=gen))
+        for k, n, _ in shapes
     ]
     # each build against the --against build of the same -march (itself when there is none)
     base = {
@@ -99,16 +105,16 @@ def main() -> None:
     }
     reference = f"package/{args.march.split(',')[-1]}"
     for m in (int(r) for r in args.rows.split(",")):
-        xs = [torch.randn(m, k, generator=gen) for k, _ in shapes]
-        scratch = torch.empty(padded(m) * max(k for k, _ in shapes))
-        outs = {name: [torch.empty(m, n) for _, n in shapes] for name in fns}
+        xs = [torch.randn(m, k, generator=gen) for k, _, _ in shapes]
+        scratch = torch.empty(padded(m) * max(k for k, _, _ in shapes))
+        outs = {name: [torch.empty(m, n // 2 if gated else n) for _, n, gated in shapes] for name in fns}
 
         def run(
             name: str, m: int = m, xs: list = xs, scratch: torch.Tensor = scratch, outs: dict = outs
         ) -> None:
-            for x, w, o in zip(xs, weights, outs[name], strict=True):
-                k, n = x.shape[1], w.out_features
-                fns[name](
+            for x, w, o, (_, _, gated) in zip(xs, weights, outs[name], shapes, strict=True):
+                k, n = x.shape[1], o.shape[1]
+                fns[name][1 if gated else 0](
                     x.data_ptr(),
                     k,
                     w.blocks.data_ptr(),
@@ -119,7 +125,7 @@ def main() -> None:
                     k,
                     n,
                     scratch.data_ptr(),
-                    1,
+                    args.threads,
                 )
 
         times: dict[str, list[float]] = {name: [] for name in fns}
