@@ -64,6 +64,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, base_url: str, t0: float, timeout: float) -> float | None:
+    """Seconds from ``t0`` (``time.perf_counter()`` at launch) until ``GET base_url/health`` answers
+    200; None when ``proc`` exits first or ``timeout`` seconds pass (``proc.poll()`` tells which)."""
+    import httpx
+
+    while proc.poll() is None and time.perf_counter() - t0 <= timeout:
+        try:
+            if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return None
+
+
+def process_tree(pid: int) -> list:
+    """``pid``'s process and all its descendants (``psutil.Process``), e.g. tensor-parallel workers."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -153,31 +176,20 @@ def serve_startup(model: str, extra: list[str], timeout: float = 600.0) -> tuple
     import os
     import subprocess
 
-    import httpx
-    import psutil
-
     port = free_port()
     code = "from warmcap.cli import main; main()"
     argv = [sys.executable, "-c", code, "serve", "--model", model, "--port", str(port), "-q", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
     try:
-        while True:
+        ready = wait_healthy(proc, f"http://127.0.0.1:{port}", t0, timeout)
+        if ready is None:
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"warmup serve exited {proc.returncode}: {proc.stderr.read().decode()[-2000:]}"
                 )
-            if time.perf_counter() - t0 > timeout:
-                raise TimeoutError(f"warmup serve not ready after {timeout} s")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        ready = time.perf_counter() - t0
-        root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
+            raise TimeoutError(f"warmup serve not ready after {timeout} s")
+        procs = process_tree(proc.pid)
         rss = sum(p.memory_info().rss for p in procs)
         cpu = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
         return ready, rss, cpu

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_serve import free_port
+from bench_serve import free_port, process_tree, wait_healthy
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -64,30 +64,20 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float) -> None:
-        import httpx
-        import psutil
-
         t0 = time.perf_counter()
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
                 self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
             )
-        while True:
+        ready = wait_healthy(self.proc, self.base_url, t0, timeout)
+        if ready is None:
             if self.proc.poll() is not None:
                 tail = self.log.read_text()[-3000:]
                 sys.exit(f"{self.name} exited ({self.proc.returncode}) before it was ready:\n{tail}")
-            if time.perf_counter() - t0 > timeout:
-                self.stop()
-                sys.exit(f"{self.name} not ready after {timeout:.0f} s (log: {self.log})")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.ready_s = time.perf_counter() - t0
-        root = psutil.Process(self.proc.pid)
-        self.rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+            self.stop()
+            sys.exit(f"{self.name} not ready after {timeout:.0f} s (log: {self.log})")
+        self.ready_s = ready
+        self.rss = sum(p.memory_info().rss for p in process_tree(self.proc.pid))
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
