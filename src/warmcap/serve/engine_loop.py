@@ -43,7 +43,7 @@ _TRANSFER_POLL_S = 0.002
 #: Without it the first request of a burst takes a step alone (a prefill of hundreds of milliseconds
 #: on CPU) and the rest, arriving milliseconds later, wait for that step; vLLM's front end hands its
 #: engine process requests in batches. Measured under ``vllm bench serve`` at 32 clients on 2 cores
-#: (BENCHMARKS.md, "A burst shares its first step ..."): a burst's first request reached the engine
+#: (BENCHMARKS.md, "Serving at 32 clients: ..."): a burst's first request reached the engine
 #: 8.9 ms before its second, the rest mostly 0.3 ms apart, but with a pause somewhere that a 2 ms
 #: gap took for the end (11 of 32 in the first step, 3 prefill steps instead of 2). A lone request
 #: pays at most ``_GATHER_IDLE_FIRST_S``; a step that ended requests at most ``_GATHER_MAX_S``.
