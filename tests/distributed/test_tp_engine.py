@@ -100,6 +100,43 @@ def test_tp2_generates_what_tp1_generates(name, odd_models):
     torch.testing.assert_close(two["logits"], one["logits"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("screen_on_every_cpu")
+@pytest.mark.parametrize("spec", [None, "ngram:3"])
+def test_tp2_greedy_steps_take_the_sharded_screen_and_keep_tp1s_tokens(spec, odd_models):
+    """No logits hook: every greedy step asks the ranks' screened heads (one (logit, id) pair a row
+    exchanged, no gathered logits), and the tokens are still TP=1's, drafts verified included."""
+    from warmcap.models.greedy_head import ShardedGreedyHead
+
+    model = str(odd_models["llama-6q3kv"])
+    extra = {"speculative_config": spec} if spec else {}
+    one = LLM(model, **SMALL, **extra)
+    try:
+        want = [list(o.outputs[0].token_ids) for o in one.generate(PROMPTS, GREEDY)]
+    finally:
+        one.shutdown()
+    llm = LLM(model, tensor_parallel_size=2, **SMALL, **extra)
+    try:
+        runner = llm.engine.runner
+        head = runner.greedy_head
+        assert isinstance(head, ShardedGreedyHead) and head.local is not None
+        answered: list[bool] = []
+
+        class Counted:
+            def argmax(self, x, *, decline=False):
+                found = head.argmax(x, decline=decline)
+                answered.append(found is not None)
+                return found
+
+        runner.greedy_head = Counted()
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert answered and all(answered), f"the screen declined {answered.count(False)} of {len(answered)} steps"
+    assert not head.off
+
+
 @pytest.fixture(scope="module")
 def tp2_without_spec() -> dict:
     return _run("tiny-llama", 2, PROMPTS)

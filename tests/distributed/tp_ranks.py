@@ -158,3 +158,31 @@ def shm_commands(rank: int) -> dict[str, object]:
     messages[10] = b"\x01" * 400_000
     received = [channel.share(m if rank == 0 else None) for m in messages]
     return {"transport": channel.transport, "received": received}
+
+
+def sharded_head_argmax(rank: int, model_dir: str, rows: torch.Tensor) -> dict[str, object]:
+    """The rank's screened greedy head over the vocabulary-parallel LM head (``ShardedGreedyHead``)
+    on ``rows`` (hidden rows), beside ``row_argmax`` of the gathered full logits; then the same rows
+    with rank 1 declining, and with rank 1 holding no screen at all."""
+    from warmcap.models.greedy_head import ShardedGreedyHead
+    from warmcap.runner_v2.sampler import row_argmax
+
+    model = load_model(model_dir)
+    head = model.greedy_head()
+    assert isinstance(head, ShardedGreedyHead), type(head)
+    screened = head.argmax(rows)
+    full = row_argmax(model.compute_logits(rows))
+    declined = head.argmax(rows, decline=rank == 1)
+    # a rank without a screen (another machine's CPU, say): every rank falls back, for good
+    if rank == 1:
+        head.local = None
+    without = [head.argmax(rows) for _ in range(2)]
+    return {
+        "screens": head.local is not None or rank == 1,
+        "vocab_start": head.vocab_start,
+        "screened": screened,
+        "full": full,
+        "declined": declined,
+        "without": without,
+        "off": head.off,
+    }

@@ -185,7 +185,7 @@ def test_a_greedy_head_that_declines_a_row_on_the_device_sends_the_step_to_the_f
         def __init__(self, model) -> None:
             self.model, self.calls = model, 0
 
-        def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        def argmax(self, x: torch.Tensor, *, decline: bool = False) -> torch.Tensor:
             self.calls += 1
             ids = self.model.compute_logits(x).argmax(dim=-1)
             return torch.where(torch.arange(len(ids)) == 0, -1, ids) if self.calls % 2 else ids

@@ -27,8 +27,8 @@ class CheckedHead:
         self.rows = 0
         self.largest = 0
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        got = self.head.argmax(x)
+    def argmax(self, x: torch.Tensor, *, decline: bool = False) -> torch.Tensor | None:
+        got = self.head.argmax(x, decline=decline)
         if got is not None:
             assert torch.equal(got, row_argmax(self.model.compute_logits(x)))
             self.rows += len(x)

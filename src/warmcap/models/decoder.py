@@ -20,9 +20,15 @@ from torch import nn
 
 from warmcap.contracts.parallel import parallel_state
 from warmcap.errors import ModelLoadError
-from warmcap.models.greedy_head import GreedyHead, screen_bytes, screen_mode
+from warmcap.models.greedy_head import (
+    GreedyHead,
+    ShardedGreedyHead,
+    is_vocab_shard,
+    screen_bytes,
+    screen_mode,
+)
 from warmcap.models.greedy_head import enabled as greedy_head_enabled
-from warmcap.models.layers import RMSNorm, lm_head, vocab_embedding
+from warmcap.models.layers import ParallelLMHead, RMSNorm, lm_head, vocab_embedding
 from warmcap.models.packed_linear import PackedLinear
 
 if TYPE_CHECKING:
@@ -304,12 +310,15 @@ class DecoderForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
-    def greedy_head(self, setting: str | None = None) -> GreedyHead | FusedGreedyHead | None:
+    def greedy_head(
+        self, setting: str | None = None
+    ) -> GreedyHead | ShardedGreedyHead | FusedGreedyHead | None:
         """The exact screened argmax of :meth:`compute_logits` (``models/greedy_head.py``), built
         now, or with the fused ops on CUDA their one-launch argmax (``models/fused_ops.py``); None
         where neither applies: a family whose logits are more than ``lm_head(hidden)``, or a head
-        that is neither (batch-invariant, tensor-parallel, a GPU without the fused ops), or
-        ``setting`` (the config's ``kernel.exact_greedy_head``; None: its default) is off."""
+        that is neither (batch-invariant, a GPU without the fused ops), or ``setting`` (the
+        config's ``kernel.exact_greedy_head``; None: its default) is off. A tensor-parallel head on
+        CPU gets a :class:`ShardedGreedyHead` (each rank screens its slice of the vocabulary)."""
         if not self._logits_are_the_head() or not greedy_head_enabled(setting):
             return None
         fused = getattr(self.model.final_norm, "fused_ops", None)
@@ -319,7 +328,13 @@ class DecoderForCausalLM(nn.Module):
             # CUDA with the fused ops: the head's product, then one argmax launch over it.
             return FusedGreedyHead(self.lm_head, fused)
         # The CPU layer ops, where the loader attached them, also hold the head's candidate test.
-        return GreedyHead.build(self.lm_head, getattr(self.model.final_norm, "cpu_ops", None), setting)
+        ops = getattr(self.model.final_norm, "cpu_ops", None)
+        head = self.lm_head
+        if is_vocab_shard(head):
+            # Tensor parallel on CPU: every rank holds a sharded head (its own screen, or none
+            # where this machine cannot screen), since the heads exchange their rows' maxima.
+            return ShardedGreedyHead(GreedyHead.build(head, ops, setting), head.vocab_start)
+        return GreedyHead.build(head, ops, setting)
 
     def _logits_are_the_head(self) -> bool:
         """:meth:`compute_logits` is ``lm_head(hidden)`` itself (not overridden by the family)."""
@@ -339,7 +354,10 @@ class DecoderForCausalLM(nn.Module):
             or torch.device(device).type != "cpu"
             or not greedy_head_enabled(setting)
             or not self._logits_are_the_head()
-            or not (type(head) is nn.Linear or (type(head) is PackedLinear and head.is_plain))
+            or not (
+                type(head) in (nn.Linear, ParallelLMHead)
+                or (type(head) is PackedLinear and (head.is_plain or is_vocab_shard(head)))
+            )
             or head.bias is not None
             or head.weight.dtype != torch.float32
             or mode is None

@@ -255,9 +255,10 @@ class FusedGreedyHead:
         self.head = head
         self.ops = ops
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax, or -1 for a row with a non-finite logit; None: not this batch."""
-        return self.ops.greedy_argmax(self.head(x))
+    def argmax(self, x: torch.Tensor, *, decline: bool = False) -> torch.Tensor | None:
+        """Each row's argmax, or -1 for a row with a non-finite logit; None: not this batch (or
+        ``decline``: the caller wants the full logits)."""
+        return None if decline else self.ops.greedy_argmax(self.head(x))
 
 
 # ---- the custom ops ------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from warmcap.config import kernel_default
+from warmcap.contracts.parallel import all_gather_last_dim
 from warmcap.kernels.cpu.gemm import BlockedWeight
 from warmcap.kernels.cpu.layer_ops import LayerOps
 from warmcap.models.packed_linear import PackedLinear, can_prepack
@@ -198,11 +199,10 @@ class GreedyHead:
         ``setting``: the config's ``kernel.exact_greedy_head`` (None: its default)."""
         if (
             type(head) is not PackedLinear
-            or not head.is_plain
+            or not (head.is_plain or is_vocab_shard(head))
             or head.group is not None
             or head.bias is not None
         ):
-            # (a tensor-parallel head holds a slice of the vocabulary: its argmax is not the head's)
             return None
         weight = head.weight.detach()
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
@@ -253,7 +253,10 @@ class GreedyHead:
         full-precision GEMMs); the benchmark's peers unpack linears after load."""
         head = self.head
         return (
-            type(head) is PackedLinear and head.is_plain and head.group is None and _full_precision_matmul()
+            type(head) is PackedLinear
+            and (head.is_plain or is_vocab_shard(head))
+            and head.group is None
+            and _full_precision_matmul()
         )
 
     def screen(self, x: torch.Tensor) -> Screen | None:
@@ -334,10 +337,17 @@ class GreedyHead:
         rows = self.weight.index_select(0, ids)
         return _linear(x, torch.ops.mkldnn._reorder_linear_weight(rows, None))
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+    def argmax(self, x: torch.Tensor, *, decline: bool = False) -> torch.Tensor | None:
         """``row_argmax(lm_head(x))`` int64 ``[M]`` without the full logits; None when the full
         logits must be computed: the head changed (:meth:`usable`), a row is non-finite or out
-        of range, or the candidates are too many for the screen to pay."""
+        of range, or the candidates are too many for the screen to pay. ``decline``: the caller
+        wants the full logits anyway (a sharded head still takes part in its ranks' exchange)."""
+        found = None if decline else self.argmax_and_logit(x)
+        return None if found is None else found[0]
+
+    def argmax_and_logit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's argmax (int64 ``[M]``, ids of this head's rows) and its float32 logit, the
+        full head's bits; None as :meth:`argmax`."""
         if not self.usable():
             return None
         screen = self.screen(x)
@@ -345,4 +355,64 @@ class GreedyHead:
             return None
         with _serial():
             logits = self.rescore(x, screen.ids).masked_fill_(~screen.member, float("-inf"))
-            return screen.ids[logits.argmax(dim=1)]
+            best, index = logits.max(dim=1)
+            return screen.ids[index], best
+
+
+def is_vocab_shard(head: nn.Module) -> bool:
+    """Whether ``head`` (packed) is one rank's slice of a vocabulary-parallel LM head
+    (``models/layers.py`` ``ParallelLMHead``: its class declares ``vocab_shard``)."""
+    return type(head) is PackedLinear and bool(getattr(head.unpacked_class, "vocab_shard", False))
+
+
+@dataclass(eq=False, slots=True)
+class ShardedGreedyHead:
+    """The exact greedy head of a vocabulary-parallel LM head: each rank screens and re-scores its
+    own slice of the vocabulary (a :class:`GreedyHead` over the shard), then the ranks exchange one
+    ``(logit, id)`` pair a row instead of gathering ``[M, V]`` logits.
+
+    Exact: the gathered full logits are the ranks' slices side by side, each computed by the shard's
+    own GEMM, and the re-score reproduces that GEMM's bits for the rows it scores; so the full
+    argmax is the largest of the slices' maxima, ties to the lowest rank, whose ids are the lowest
+    (``row_argmax`` takes the first maximum). Each slice's maximum is its first maximum (the
+    candidates are ascending ids).
+
+    Every rank must call :meth:`argmax` on the same steps: the exchange is a collective. A rank
+    that cannot screen (no screen built here, the head changed, a non-finite row, too many
+    candidates) or whose caller wants the full logits (``decline``) sends id -1; then every rank
+    returns None and computes the full logits, so the ranks never part ways. The caller decides to
+    call it from the step alone (every rank holds the same step): what only one rank knows goes in
+    ``decline``.
+    """
+
+    #: this rank's screen; None: this rank cannot screen (no bf16 GEMM here, say)
+    local: GreedyHead | None
+    #: the first vocabulary id of this rank's slice
+    vocab_start: int
+    #: set on every rank at once when some rank has no screen (it said so in an exchange): the
+    #: ranks then compute the full logits without asking again
+    off: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.local is None else self.local.nbytes
+
+    def argmax(self, x: torch.Tensor, *, decline: bool = False) -> torch.Tensor | None:
+        if self.off:
+            return None
+        m = x.shape[0]
+        # float64 holds every float32 logit and every id below 2^53 exactly; id -1: declined this
+        # step, -2: this rank never screens
+        mine = torch.full((m, 2), -1.0 if self.local is not None else -2.0, dtype=torch.float64)
+        found = None if decline or self.local is None else self.local.argmax_and_logit(x)
+        if found is not None:
+            ids, logits = found
+            mine[:, 0] = logits
+            mine[:, 1] = ids + self.vocab_start
+        pairs = all_gather_last_dim(mine).view(m, -1, 2)
+        if bool((pairs[..., 1] < 0).any()):
+            self.off = bool((pairs[..., 1] == -2).any())
+            return None
+        # first maximum: the lowest rank among equal logits, hence the lowest id
+        rank = pairs[..., 0].argmax(dim=1)
+        return pairs[torch.arange(m), rank, 1].long()

@@ -208,9 +208,13 @@ class ParallelLMHead(ColumnParallelLinear):
     """The LM head split by vocabulary rows (the same rows as :class:`VocabParallelEmbedding`, so a
     tied head shares its shard); every rank gets the gathered full-vocabulary logits."""
 
+    #: one rank's slice of the vocabulary (``models/greedy_head.py`` screens it as such)
+    vocab_shard: ClassVar[bool] = True
+
     def __init__(self, hidden: int, vocab_size: int) -> None:
         start, size = split_evenly(vocab_size, "vocab_size")
         super().__init__(hidden, start, size, bias=False)
+        self.vocab_start = start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(F.linear(x, self.weight))

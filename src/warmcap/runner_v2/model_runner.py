@@ -674,11 +674,13 @@ class ModelRunner:
         row greedy, no logits processing, no hook, no request returning logprobs. None: compute the
         full logits (also when the head declines a batch, e.g. a non-finite row)."""
         head = self.greedy_head
-        if head is None or self.logits_hook is not None or not meta.all_greedy:
+        if head is None or not meta.all_greedy:
             return None
         if self.batch.wants_logprobs_in(step.rows) or self.batch.shapes_logits(step):
             return None
-        return head.argmax(rows)
+        # What the step decides, every tensor-parallel rank decides alike (a sharded head's ranks
+        # exchange their maxima); a hook only this runner has declines inside the exchange.
+        return head.argmax(rows, decline=self.logits_hook is not None)
 
     def _verify_random(
         self, logits: torch.Tensor, meta: SamplingMetadata, step: StepInputs, drafts: list[list[int]]
