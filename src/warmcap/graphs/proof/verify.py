@@ -198,7 +198,11 @@ def _check(label: str, passes: Passes, written: list[Written], tol: Tolerance) -
 
     t = reference[0].shape[0]
     real_replayed = [o[:t] for o in replayed]
-    greedy_ref, greedy_graph = passes.greedy(reference[0]), passes.greedy(replayed[0][:t])
+    if passes.logits is not None:
+        greedy_agree = tokens_agree(passes.logits(reference[0]), passes.logits(replayed[0][:t]), tol)
+    else:
+        greedy_ref, greedy_graph = passes.greedy(reference[0]), passes.greedy(replayed[0][:t])
+        greedy_agree = same_tokens(greedy_ref, greedy_graph, reference[0].device)
     diff, real_diff, peak, finite, greedy_same = _numbers(
         max_abs_all(replayed, eager_padded),
         max_abs_all(real_replayed + kv_replayed, reference + kv_reference),
@@ -206,7 +210,7 @@ def _check(label: str, passes: Passes, written: list[Written], tol: Tolerance) -
         # NOTE: NaN in replay and eager alike compares equal (padded rows may be NaN): real rows
         # that are not finite must fail on their own, or a model with NaN weights would verify.
         all_finite(real_replayed + reference),
-        same_tokens(greedy_ref, greedy_graph, reference[0].device),
+        greedy_agree,
     )
     greedy = bool(greedy_same)
     real_tol = tol.real_rows_limit(peak)
@@ -331,6 +335,30 @@ def magnitude(tensors: list[torch.Tensor]) -> torch.Tensor:
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Whether every element of ``tensors`` is finite (0-dim bool, on the device)."""
     return torch.isfinite(_flat(tensors)).all()
+
+
+def tokens_agree(reference: torch.Tensor, replayed: torch.Tensor, tol: Tolerance) -> torch.Tensor:
+    """Whether the greedy tokens of two passes' logits ``[rows, vocab]`` agree (0-dim bool).
+
+    A row may pick another token only at a near tie that the two passes' own rounding explains:
+    the reference scores the replay's token within twice the row's largest |logit difference| of
+    its own pick, and that difference is within the real-row tolerance (scaled by the logits'
+    magnitude, as the hidden states' bound is). The unpadded reference recomputes each row from
+    position 0 (prefill attention, other row counts), so its logits differ from a decode replay's
+    in the last bits; on SmolLM2 at batch 116 with random verification contexts two tokens tied
+    within 1e-4 and the strict check failed a graph whose replay equalled eager bit for bit. A
+    padding leak moves logits by O(1), far past the bound, and fails as before."""
+    if reference.shape != replayed.shape:
+        return torch.zeros((), dtype=torch.bool, device=reference.device)
+    if reference.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=reference.device)
+    ref, rep = reference.float(), replayed.float()
+    a, b = ref.argmax(-1, keepdim=True), rep.argmax(-1, keepdim=True)
+    delta = (ref - rep).abs().amax(-1, keepdim=True)
+    limit = tol.real_rows * magnitude([ref]) if tol.relative else tol.real_rows
+    gap = ref.gather(-1, a) - ref.gather(-1, b)
+    near_tie = (gap <= 2 * delta) & (delta <= limit)
+    return ((a == b) | near_tie).all()
 
 
 def same_tokens(a: torch.Tensor | None, b: torch.Tensor | None, device: torch.device) -> torch.Tensor:

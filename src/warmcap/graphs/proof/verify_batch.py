@@ -105,7 +105,9 @@ class Passes:
     """The three passes of one graph's check over a real batch, contexts written and the unpadded
     pass loaded: ``metas`` is its metadata (Mamba columns included), each pass returns its outputs
     (main output first; ``reference``: real rows only), ``greedy`` the tokens a main output picks
-    (None: the pass picks none)."""
+    (None: the pass picks none); ``logits``, where the tokens are the argmax of logits computed
+    from the main output (the target), those logits: the check then tells a near tie that rounding
+    tipped from a real difference (``verify.tokens_agree``)."""
 
     num_reqs: int
     metas: dict[str, AttentionMetadata]
@@ -113,6 +115,7 @@ class Passes:
     replay: Callable[[], list[torch.Tensor]]
     padded_eager: Callable[[], list[torch.Tensor]]
     greedy: Callable[[torch.Tensor], torch.Tensor | None]
+    logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def context_chunks(contexts: list[int], max_tokens: int) -> list[list[int]]:

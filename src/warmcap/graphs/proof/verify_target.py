@@ -123,10 +123,13 @@ def target_passes(
         hidden, aux = subject.forward(spec, graph.metas)
         return [hidden[:n], *(a[:n] for a in aux)]
 
-    def greedy(hidden: torch.Tensor) -> torch.Tensor:
-        return runner.model.compute_logits(hidden[last]).argmax(-1)
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return runner.model.compute_logits(hidden[last])
 
-    return Passes(step.num_reqs, metas, reference, replay, padded_eager, greedy)
+    def greedy(hidden: torch.Tensor) -> torch.Tensor:
+        return logits(hidden).argmax(-1)
+
+    return Passes(step.num_reqs, metas, reference, replay, padded_eager, greedy, logits)
 
 
 def _recomputed(
