@@ -25,6 +25,8 @@ class StartupFacts:
     audit_slots_checked: int
     audit_violations: int
     violation_samples: tuple[str, ...]
+    #: the graphs that did not replay like eager: label and what differed (the report's words)
+    unverified_graphs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ def start_engine(config: EngineConfig, startup: StartupOptions | None = None) ->
         audit_slots_checked=audit.slots_checked,
         audit_violations=audit.violations,
         violation_samples=tuple(audit.violation_samples),
+        unverified_graphs=tuple(_unverified(g) for g in report.graphs if not g.verified),
     )
     return StartedEngine(run.engine, report.to_json(), facts, _refusal(facts))  # type: ignore[arg-type]
 
@@ -65,12 +68,23 @@ def _refusal(facts: StartupFacts) -> str | None:
         first = "; ".join(facts.violation_samples[:3])
         return (
             f"warmup audit found {facts.audit_violations} stray KV write(s) ({first}); the server will "
-            "not serve from a KV cache warmup may have corrupted: see GET /startup or `warmup run`"
+            "not serve from a KV cache warmup may have corrupted: `warmup run` with the same flags shows every write"
         )
     unverified = facts.graphs_captured - facts.graphs_verified
     if unverified:
+        # The server exits with this line: it names the graphs itself (no /startup to read then).
+        named = "; ".join(facts.unverified_graphs[:3]) + ("; ..." if unverified > 3 else "")
         return (
-            f"{unverified} of {facts.graphs_captured} captured graph(s) do not replay like eager; "
-            "see GET /startup or `warmup run --strict` for which ones"
+            f"{unverified} of {facts.graphs_captured} captured graph(s) do not replay like eager ({named}); "
+            "serve eagerly (leave out --capture-graphs), or see `warmup run --strict` with the same flags"
         )
     return None
+
+
+def _unverified(graph: object) -> str:
+    diff = getattr(graph, "max_abs_diff", None)
+    greedy = getattr(graph, "greedy_match", None)
+    what = "not verified" if diff is None else f"max |replay - eager| {diff:.3g}"
+    if greedy is False:
+        what += ", greedy tokens differ"
+    return f"{graph.label}: {what}"  # type: ignore[attr-defined]
