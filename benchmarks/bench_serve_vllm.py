@@ -2,10 +2,15 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_serve_vllm.py [--concurrency 1,8,32] [--rounds 1]
 
-Both servers start once, at default flags (only the model, the port and the dtype are given; the
+Each server runs at default flags (only the model, the port and the dtype are given; the
 dtype is warmcap's default on this machine's CPU, passed to vLLM too so both compute in the same
 precision): each start prints the seconds from launch to ``GET /health`` 200 and the resident memory
-of the server's processes then. Then, for each round and each client level, ``vllm bench serve``
+of the server's processes then. How the two share the machine depends on vLLM's default memory:
+vLLM 0.32's CPU worker reserves (and touches) 92 % of the machine's memory and refuses to start
+unless that much is free, so there each round starts one server, measures every level, stops it and
+starts the other (``--one-at-a-time``, the default unless vLLM is 0.16); with vLLM 0.16, whose KV
+space is 4 GiB, both start once (vLLM first) and the one not measured is stopped with SIGSTOP.
+Then, for each round and each client level, ``vllm bench serve``
 (vLLM's interpreter, ``--vllm-python``) runs against each server in turn, the order rotated round by
 round, with no ``--model``: it asks the server's ``/v1/models`` for the model and loads the tokenizer
 from the entry's ``root``, and uses its ``/tokenize``. The workload is the client's ``random`` dataset
@@ -31,6 +36,7 @@ the p99 TTFT of each. ``--json`` writes all of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -58,6 +64,8 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.ready_s = 0.0
         self.rss = 0
+        #: (seconds to ready, resident bytes) of every start
+        self.starts: list[tuple[float, int]] = []
 
     @property
     def base_url(self) -> str:
@@ -78,6 +86,7 @@ class Server:
             sys.exit(f"{self.name} not ready after {timeout:.0f} s (log: {self.log})")
         self.ready_s = ready
         self.rss = sum(p.memory_info().rss for p in process_tree(self.proc.pid))
+        self.starts.append((self.ready_s, self.rss))
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -86,6 +95,7 @@ class Server:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
+        pgid = self.proc.pid
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGTERM)
         try:
@@ -93,6 +103,16 @@ class Server:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.proc.wait(10)
+        # the server's own children (vLLM's engine core) too, so their memory is back
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 def client_transformers_major(python: str) -> int:
@@ -171,6 +191,18 @@ def main() -> None:
         "--warmcap-args", default="", help="extra `warmup serve` flags, one string (default: none)"
     )
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, one string (default: none)")
+    ap.add_argument(
+        "--vllm-env",
+        default="",
+        help="environment for `vllm serve`, KEY=VALUE,... (VLLM_CPU_KVCACHE_SPACE=4: its KV space in GiB)",
+    )
+    ap.add_argument(
+        "--one-at-a-time",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each server alone, started and stopped per round (default: on unless vLLM is 0.16, "
+        "whose default memory reservation lets both servers be up at once)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not Path(args.vllm_python).is_file():
@@ -203,10 +235,16 @@ def main() -> None:
         wport, env, work / "warmcap.log",
     )  # fmt: skip
     vllm_bin = str(Path(args.vllm_python).with_name("vllm"))
+    vllm_env = dict(env)
+    for item in filter(None, args.vllm_env.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            sys.exit(f"--vllm-env {item!r}: use KEY=VALUE")
+        vllm_env[key] = value
     vllm = Server(
         "vllm",
         [vllm_bin, "serve", compat, "--port", str(vport), "--host", "127.0.0.1", "--dtype", args.dtype, *args.vllm_args.split()],
-        vport, env, work / "vllm.log",
+        vport, vllm_env, work / "vllm.log",
     )  # fmt: skip
     version = subprocess.run(
         [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
@@ -217,55 +255,86 @@ def main() -> None:
         f"{args.prompts_per_client} prompts a client (>= {args.min_prompts}), levels {levels}, "
         f"{args.rounds} round(s), first seed {args.seed}"
     )
-    if args.warmcap_args or args.vllm_args:
-        print(f"not default flags: warmcap {args.warmcap_args!r}, vLLM {args.vllm_args!r}")
+    if args.warmcap_args or args.vllm_args or args.vllm_env:
+        print(
+            f"not default flags: warmcap {args.warmcap_args!r}, vLLM {args.vllm_args!r}, "
+            f"vLLM's environment {args.vllm_env!r}"
+        )
     if tokenizer:
         print(f"the client's transformers is < 5: --tokenizer {tokenizer} for both servers")
     servers = [warmcap, vllm]
     results: list[dict] = []
-    try:
-        for server in servers:
-            server.start(args.start_timeout)
-            server.signal(signal.SIGSTOP)
+
+    def started(server: Server) -> None:
+        server.start(args.start_timeout)
+        server.signal(signal.SIGSTOP)
+        print(
+            f"{server.name} ready in {server.ready_s:.1f} s, resident {server.rss / 2**30:.2f} GiB "
+            f"(load {loadavg()})",
+            flush=True,
+        )
+        if args.warmup_prompts:
+            server.signal(signal.SIGCONT)
+            try:
+                w = run_client(
+                    args, server, max(levels), args.seed + 50_000, tokenizer, work, args.warmup_prompts
+                )
+            finally:
+                server.signal(signal.SIGSTOP)
             print(
-                f"{server.name} ready in {server.ready_s:.1f} s, resident {server.rss / 2**30:.2f} GiB "
-                f"(load {loadavg()})",
+                f"warm-up {server.name}: {w['completed']}/{w['prompts']} done, {w['output_tok_s']:.1f} out tok/s "
+                "(not counted)",
                 flush=True,
             )
-        if args.warmup_prompts:
-            for server in servers:
-                server.signal(signal.SIGCONT)
-                try:
-                    w = run_client(
-                        args, server, max(levels), args.seed + 50_000, tokenizer, work, args.warmup_prompts
-                    )
-                finally:
-                    server.signal(signal.SIGSTOP)
-                print(
-                    f"warm-up {server.name}: {w['completed']}/{w['prompts']} done, {w['output_tok_s']:.1f} out tok/s "
-                    "(not counted)",
-                    flush=True,
-                )
+
+    def measure(server: Server, rnd: int, c: int, seed: int) -> None:
+        server.signal(signal.SIGCONT)
+        try:
+            r = run_client(args, server, c, seed, tokenizer, work)
+        finally:
+            server.signal(signal.SIGSTOP)
+        r["round"] = rnd + 1
+        results.append(r)
+        print(
+            f"round {rnd + 1} c={c:<3} {server.name:8s} {r['output_tok_s']:7.1f} out tok/s  "
+            f"TTFT median {r['ttft_median_ms']:8.0f} p99 {r['ttft_p99_ms']:8.0f} ms  "
+            f"ITL p99 {r['itl_p99_ms']:6.0f} ms  {r['completed']}/{r['prompts']} done "
+            f"{r['failed']} failed  (seed {seed}, load {r['load']})",
+            flush=True,
+        )
+
+    one_at_a_time = args.one_at_a_time or (
+        args.one_at_a_time is None
+        and not version.startswith("0.16")
+        and "VLLM_CPU_KVCACHE_SPACE" not in vllm_env
+    )
+    if one_at_a_time:
+        print(
+            "one server at a time: each round starts a server, measures every level, stops it, then "
+            "the other (vLLM's default reserves 92 % of memory, so the two cannot both be up)"
+        )
+    try:
+        if not one_at_a_time:
+            # vLLM first: its start checks that the memory it reserves is free.
+            for server in sorted(servers, key=lambda s: s.name != "vllm"):
+                started(server)
         seed = args.seed
         for rnd in range(args.rounds):
+            order = servers if rnd % 2 == 0 else servers[::-1]
+            if one_at_a_time:
+                for server in order:
+                    started(server)
+                    try:
+                        for i, c in enumerate(levels):
+                            measure(server, rnd, c, seed + 1 + i)
+                    finally:
+                        server.stop()
+                seed += len(levels)
+                continue
             for c in levels:
                 seed += 1
-                order = servers if rnd % 2 == 0 else servers[::-1]
                 for server in order:
-                    server.signal(signal.SIGCONT)
-                    try:
-                        r = run_client(args, server, c, seed, tokenizer, work)
-                    finally:
-                        server.signal(signal.SIGSTOP)
-                    r["round"] = rnd + 1
-                    results.append(r)
-                    print(
-                        f"round {rnd + 1} c={c:<3} {server.name:8s} {r['output_tok_s']:7.1f} out tok/s  "
-                        f"TTFT median {r['ttft_median_ms']:8.0f} p99 {r['ttft_p99_ms']:8.0f} ms  "
-                        f"ITL p99 {r['itl_p99_ms']:6.0f} ms  {r['completed']}/{r['prompts']} done "
-                        f"{r['failed']} failed  (seed {seed}, load {r['load']})",
-                        flush=True,
-                    )
+                    measure(server, rnd, c, seed)
     finally:
         for server in servers:
             server.stop()
@@ -287,16 +356,18 @@ def main() -> None:
             f"({rate['warmcap'] / rate['vllm']:.2f}x); p99 TTFT {p99['warmcap']:.0f} vs {p99['vllm']:.0f} ms; "
             f"{failed} failed"
         )
-    print(
-        f"  start-up: warmcap {warmcap.ready_s:.1f} s / {warmcap.rss / 2**30:.2f} GiB, "
-        f"vLLM {vllm.ready_s:.1f} s / {vllm.rss / 2**30:.2f} GiB"
-    )
+    for s in servers:
+        secs, rss = [t for t, _ in s.starts], [r / 2**30 for _, r in s.starts]
+        print(
+            f"  start-up {s.name}: {min(secs):.1f}-{max(secs):.1f} s to ready, "
+            f"{min(rss):.2f}-{max(rss):.2f} GiB resident ({len(secs)} start(s))"
+        )
     if args.json:
         args.json.write_text(
             json.dumps(
                 {
                     "results": results,
-                    "startup": {s.name: {"ready_s": s.ready_s, "rss": s.rss} for s in servers},
+                    "startup": {s.name: [{"ready_s": t, "rss": r} for t, r in s.starts] for s in servers},
                     "vllm_version": version,
                 },
                 indent=2,

@@ -16,6 +16,15 @@ and take the best of each. Under TP=2 rank 0 (this process) also times, per engi
 The transport is chosen by ``$WARMCAP_TP_COMM`` (``distributed/shm_comm.py``), set here per run.
 
     .venv/bin/python benchmarks/bench_tp.py [--model smollm2-135m] [--prompts 8] [--max-tokens 32] [--rounds 2] [--threads 0,1]
+
+``--vllm``: instead, warmcap against vLLM's CPU build at TP=1 and TP=2 in one run, each engine a
+long-lived process of its own, alternated round by round (``bench_contention.py``'s peers, quiet
+scenario; the shared workload: 16 prompts x 64 tokens, default graphs / torch.compile): warmcap
+TP=1, warmcap TP=2, vLLM TP=1, vLLM TP=2. vLLM refuses a TP size that does not divide the
+attention heads (SmolLM2's 9): then its TP=2 runs the same model with its KV groups padded
+(``pad_heads.py``: the same function, ~8 % more work a token), and warmcap TP=2 runs that model
+too (``tp2_padded``), so both engines are compared on one model. Every peer's tokens are compared
+with the first's. ``--threads`` there: the model threads in all (default 2: the 2-core machine).
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import argparse
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -36,7 +47,8 @@ from warmcap.distributed.shm_comm import ENV as COMM_ENV
 from warmcap.llm import LLM
 from warmcap.sampling_params import SamplingParams
 
-PROMPTS = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
+HERE = Path(__file__).resolve().parent
+PROMPTS = HERE / "data" / "bench_prompts.jsonl"
 
 
 class CommTimer:
@@ -136,6 +148,28 @@ def set_threads(threads: int, default: int) -> None:
         torch.set_num_threads(default)
 
 
+def against_vllm(args: argparse.Namespace) -> int:
+    """``bench_contention.py`` with the four TP peers (see the module docstring); its exit code."""
+    from warmcap.models.presets import resolve_model
+
+    config = json.loads((Path(resolve_model(args.model)) / "config.json").read_text())
+    peers = ["tp1=.", "tp2=.@arg:tensor_parallel_size=2@arg:cpu_threads=1", "vllm"]
+    if config["num_attention_heads"] % 2 == 0:
+        peers.append("vllm@tp=2")
+    else:
+        peers += [
+            "tp2_padded=.@model=padded@arg:tensor_parallel_size=2@arg:cpu_threads=1",
+            "vllm@tp=2@model=padded",
+        ]
+    threads = "2" if args.threads == "0,1" else args.threads
+    cmd = [
+        sys.executable, str(HERE / "bench_contention.py"), "--model", args.model, "--peers", ",".join(peers),
+        "--threads", threads, "--scenarios", "quiet", "--rounds", str(args.vllm_rounds),
+    ]  # fmt: skip
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -147,7 +181,11 @@ def main() -> None:
         default="0,1",
         help="comma-separated torch threads per process to measure (every rank; 0: torch's default)",
     )
+    parser.add_argument("--vllm", action="store_true", help="against vLLM's CPU build at TP=1 and TP=2")
+    parser.add_argument("--vllm-rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.vllm:
+        sys.exit(against_vllm(args))
     default_threads = torch.get_num_threads()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = [r["prompt"] for r in rows[: args.prompts]]
