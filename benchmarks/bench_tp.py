@@ -20,7 +20,8 @@ The transport is chosen by ``$WARMCAP_TP_COMM`` (``distributed/shm_comm.py``), s
 ``--vllm``: instead, warmcap against vLLM's CPU build at TP=1 and TP=2 in one run, each engine a
 long-lived process of its own, alternated round by round (``bench_contention.py``'s peers, quiet
 scenario; the shared workload: 16 prompts x 64 tokens, default graphs / torch.compile): warmcap
-TP=1, warmcap TP=2, vLLM TP=1, vLLM TP=2. vLLM refuses a TP size that does not divide the
+TP=1, warmcap TP=2, vLLM TP=1, vLLM TP=2 (and, where the KV groups split unevenly, warmcap TP=2 with
+``--tp-balance heads``: the K/V offload's A/B). vLLM refuses a TP size that does not divide the
 attention heads (SmolLM2's 9): then its TP=2 runs the same model with its KV groups padded
 (``pad_heads.py``: the same function, ~8 % more work a token), and warmcap TP=2 runs that model
 too (``tp2_padded``), so both engines are compared on one model. Every peer's tokens are compared
@@ -153,7 +154,12 @@ def against_vllm(args: argparse.Namespace) -> int:
     from warmcap.models.presets import resolve_model
 
     config = json.loads((Path(resolve_model(args.model)) / "config.json").read_text())
-    peers = ["tp1=.", "tp2=.@arg:tensor_parallel_size=2@arg:cpu_threads=1", "vllm"]
+    tp2 = ".@arg:tensor_parallel_size=2@arg:cpu_threads=1"
+    peers = ["tp1=.", f"tp2={tp2}", "vllm"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    if kv_heads % 2:
+        # uneven KV groups: the K/V offload (models/llama.py KVOffload) against each rank its heads
+        peers.insert(2, f"tp2_heads={tp2}@arg:tp_balance=heads")
     if config["num_attention_heads"] % 2 == 0:
         peers.append("vllm@tp=2")
     else:

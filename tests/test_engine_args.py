@@ -49,6 +49,7 @@ EXAMPLES: dict[str, Any] = {
     "exact_greedy_head": "portable",
     "fused_ops": "torch",
     "tp_comm": "gloo",
+    "tp_balance": "heads",
 }
 ENGINE_COMMANDS = ("plan", "run", "serve", "generate")
 

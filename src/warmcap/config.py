@@ -353,6 +353,9 @@ CPU_ISAS: tuple[str, ...] = ("native", "avx2", "avx512", "baseline")
 GREEDY_HEAD_MODES: tuple[str, ...] = ("on", "off", "portable")
 FUSED_OPS_MODES: tuple[str, ...] = ("auto", "torch")
 TP_COMM_MODES: tuple[str, ...] = ("auto", "shm", "gloo")
+#: ``auto``: two ranks with uneven attention heads even out their work (``models/llama.py``
+#: KVOffload); ``heads``: each rank projects exactly its heads
+TP_BALANCE_MODES: tuple[str, ...] = ("auto", "heads")
 #: older spellings of the greedy-head switch (its environment variable took 1 and 0)
 _GREEDY_HEAD_ALIASES = {"1": "on", "0": "off"}
 
@@ -366,6 +369,7 @@ KERNEL_CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "exact_greedy_head": (GREEDY_HEAD_MODES, "WARMCAP_EXACT_GREEDY_HEAD"),
     "fused_ops": (FUSED_OPS_MODES, "WARMCAP_FUSED_OPS"),
     "tp_comm": (TP_COMM_MODES, "WARMCAP_TP_COMM"),
+    "tp_balance": (TP_BALANCE_MODES, "WARMCAP_TP_BALANCE"),
 }
 
 
@@ -413,6 +417,10 @@ class KernelConfig:
     #: collectives between the tensor-parallel ranks of one machine: auto (shared memory on CPU),
     #: shm or gloo (``distributed/shm_comm.py``); a sum's order, so its rounding, depends on it
     tp_comm: str = field(default_factory=partial(kernel_default, "tp_comm"))
+    #: two tensor-parallel ranks whose attention heads split unevenly: auto (the busier rank's K/V
+    #: projected by the other, ``models/llama.py`` KVOffload) or heads (each rank its own heads);
+    #: the same bits either way
+    tp_balance: str = field(default_factory=partial(kernel_default, "tp_balance"))
 
     def __post_init__(self) -> None:
         for name in KERNEL_CHOICES:

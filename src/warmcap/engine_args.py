@@ -256,6 +256,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         str | None,
     ),
     EngineArg(
+        "tp_balance",
+        "kernel",
+        "tp_balance",
+        _kernel_help("Two tensor-parallel ranks with uneven attention heads", "tp_balance")
+        + " auto: the rank with fewer heads projects the other's K/V too (same bits); heads: each its own.",
+        str | None,
+    ),
+    EngineArg(
         "speculative_config", None, "speculative", SPEC_HELP, str, ("--spec", "--speculative-config", "-s")
     ),
     EngineArg("kv_role", None, "kv_role", f"P/D role: {', '.join(KV_ROLES)}."),

@@ -88,6 +88,14 @@ _TABLE: tuple[EnvVar, ...] = (
         "kernel.tp_comm",
     ),
     EnvVar(
+        "WARMCAP_TP_BALANCE",
+        "auto",
+        "default",
+        "two tensor-parallel ranks with uneven attention heads: auto (K/V projected by the rank with "
+        "fewer) or heads",
+        "kernel.tp_balance",
+    ),
+    EnvVar(
         "VLLM_CPU_KVCACHE_SPACE",
         "",
         "default",

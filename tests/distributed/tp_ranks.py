@@ -17,18 +17,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 from paged_harness import PagedHarness
 
+from warmcap.config import KernelConfig
+from warmcap.models.llama import LlamaAttention
 from warmcap.models.loader import load_model
 from warmcap.models.packed_linear import PackedLinear, unpack_linears
 
 
 def greedy_logits(
-    model_dir: str, prompts: list[list[int]], steps: int, *, packed: bool = False
+    model_dir: str,
+    prompts: list[list[int]],
+    steps: int,
+    *,
+    packed: bool = False,
+    kernels: KernelConfig | None = None,
 ) -> dict[str, object]:
     """Prefill ``prompts`` in one batch, then ``steps`` batched greedy decode steps over the paged
     KV cache; the tokens, every step's last-position logits and this process's KV head count.
     ``packed``: keep the linears as the loader packed them (the engine's kernels; ``packed_classes``
-    says which classes were packed) instead of plain GEMMs."""
-    model = load_model(model_dir)
+    says which classes were packed) instead of plain GEMMs. ``kernels``: the loader's kernel
+    switches (None: their defaults); ``offload_on`` says which attention layers run the K/V
+    offload (``models/llama.py`` KVOffload)."""
+    model = load_model(model_dir, kernels=kernels)
+    offload_on = [m.kv_offload_on for m in model.modules() if isinstance(m, LlamaAttention)]
     packed_classes = sorted({m.unpacked_class.__name__ for m in model.modules() if type(m) is PackedLinear})
     if not packed:
         # Plain GEMMs on both sides: this compares the sharding alone, not a packed kernel's
@@ -53,6 +63,7 @@ def greedy_logits(
         "logits": torch.stack(history),
         "kv_heads": sorted({s.num_kv_heads for s in specs.values()}),
         "packed_classes": packed_classes if packed else [],
+        "offload_on": offload_on,
         "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
     }
 
@@ -186,3 +197,52 @@ def sharded_head_argmax(rank: int, model_dir: str, rows: torch.Tensor) -> dict[s
         "without": without,
         "off": head.off,
     }
+
+
+def kv_offload_greedy(
+    rank: int, model_dir: str, prompts: list[list[int]], steps: int, mode: str, mail_tokens: int | None
+) -> dict[str, object]:
+    """:func:`greedy_logits` on the packed kernels with ``kernel.tp_balance`` = ``mode``, and what
+    the K/V offload did: the messages rank 1 posted and rank 0 took. ``mail_tokens``: shrink the
+    mailbox to that many tokens' K/V first (the tiny model's: 2 KV heads x head_dim 16, k and v), so
+    a pass of more tokens projects its K/V on the giver as without the offload."""
+    from warmcap.config import KernelConfig
+    from warmcap.contracts.parallel import parallel_state
+    from warmcap.distributed.shm_segment import MAIL, TAKEN
+
+    comm = parallel_state().comm
+    if mail_tokens is not None:
+        comm._mail = [m[: mail_tokens * 64] for m in comm._mail]  # type: ignore[attr-defined]
+    out = greedy_logits(model_dir, prompts, steps, packed=True, kernels=KernelConfig(tp_balance=mode))
+    out.pop("params")
+    seg = comm.seg  # type: ignore[attr-defined]
+    out["posted"], out["taken"] = seg.get(1, MAIL), seg.get(0, TAKEN)
+    return out
+
+
+def mailbox_messages(rank: int, messages: int) -> dict[str, object]:
+    """Rank 1 posts ``messages`` tensors (message i: a [3, 5] run of i * 100 + 0..14), each after an
+    all-reduce (as the K/V offload's protocol has it), then leaves the group; rank 0 fetches each
+    and then one more, which must end with the peer gone rather than hang."""
+    from warmcap.contracts.parallel import all_reduce_sum, fetch_from_peer, parallel_state, post_to_peer
+    from warmcap.distributed.shm_segment import PeerGoneError
+
+    comm = parallel_state().comm
+    got: list[torch.Tensor] = []
+    for i in range(messages):
+        all_reduce_sum(torch.ones(4))
+        if rank == 1:
+            post_to_peer(torch.arange(15, dtype=torch.float32).view(3, 5) + 100 * i)
+        else:
+            got.append(fetch_from_peer(1, (3, 5)).clone())
+    all_reduce_sum(torch.ones(4))
+    if rank == 1:
+        comm.seg.close()  # type: ignore[attr-defined]
+        return {}
+    start = time.monotonic()
+    try:
+        fetch_from_peer(1, (3, 5))
+        error = ""
+    except PeerGoneError as e:
+        error = str(e)
+    return {"got": got, "error": error, "seconds": time.monotonic() - start}

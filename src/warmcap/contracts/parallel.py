@@ -135,3 +135,25 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(st.world_size)]
     dist.all_gather(parts, x.contiguous(), group=st.group)
     return torch.cat(parts, dim=-1)
+
+
+def mail_floats() -> int:
+    """Floats one mailbox message between this machine's ranks may hold (``distributed/shm_comm.py``
+    :meth:`~warmcap.distributed.shm_comm.ShmCommunicator.post`); 0: no mailbox (one rank, gloo,
+    NCCL, or no C compiler)."""
+    comm = _state.comm
+    return int(getattr(comm, "mail_floats", 0)) if _state.is_parallel and comm is not None else 0
+
+
+def post_to_peer(x: torch.Tensor) -> None:
+    """Send ``x`` to the one peer that reads this rank's mailbox (needs :func:`mail_floats`)."""
+    comm = _state.comm
+    assert comm is not None
+    comm.post(x)  # type: ignore[attr-defined]
+
+
+def fetch_from_peer(peer: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rank ``peer``'s next message, ``shape`` float32, read in place (see :func:`post_to_peer`)."""
+    comm = _state.comm
+    assert comm is not None
+    return comm.fetch(peer, shape)  # type: ignore[attr-defined]

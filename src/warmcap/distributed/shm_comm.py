@@ -20,6 +20,12 @@ Python collectives read it there too), so a recorded CPU graph (``graphs/capture
 replays a tensor-parallel rank's forward with its all-reduces in it. A peer that leaves or dies
 during that call ends it with a status, raised as :class:`~.shm_segment.PeerGoneError` whether the
 call was made eagerly or replayed. Without a C compiler the Python collective runs instead.
+
+The mailbox (:meth:`ShmCommunicator.post` / :meth:`ShmCommunicator.fetch`, C calls too, so they
+replay): one rank writes a tensor into its own mailbox for one peer, which waits for it and reads
+it in place. ``models/llama.py``'s :class:`~warmcap.models.llama.KVOffload` sends a rank holding
+fewer attention heads its peer's K/V projections this way. Only the C calls serve it: without a
+compiler there is no mailbox (:attr:`ShmCommunicator.mail_floats` is 0) and the heads stay split.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch.distributed as dist
 from warmcap.config import TP_COMM_MODES, kernel_default
 from warmcap.distributed import shm_segment
 from warmcap.distributed.shm_ring import ShmRing
-from warmcap.distributed.shm_segment import SEQ, SHM_DIR, Layout, PeerGoneError, Segment, host_key
+from warmcap.distributed.shm_segment import MAIL, SEQ, SHM_DIR, TAKEN, Layout, PeerGoneError, Segment, host_key
 from warmcap.errors import ConfigError
 from warmcap.kernels.cpu.build import KernelBuildError, load_library
 from warmcap.kernels.cpu.policy import CpuOperator, c_call, host_sync
@@ -63,16 +69,16 @@ _ALL_REDUCE_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c
 
 
 @cache
-def _c_all_reduce() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The C all-reduce, built on first use; None where it cannot be built (no compiler): the
-    Python collective serves. Refused (RuntimeError) if its layout constants differ from
-    :mod:`.shm_segment`'s."""
+def _c_library() -> ctypes.CDLL | None:
+    """``shm_collective.c``, built on first use and its entry points typed; None where it cannot
+    be built (no compiler): the Python collective serves and there is no mailbox. Refused
+    (RuntimeError) if its layout constants differ from :mod:`.shm_segment`'s."""
     try:
         lib = load_library("shm_collective.c")
     except KernelBuildError as exc:
         logger.info("tensor-parallel all-reduce stays in Python: %s", exc)
         return None
-    got = (ctypes.c_int64 * 8)()
+    got = (ctypes.c_int64 * 10)()
     lib.warmcap_shm_layout(got)
     want = (
         shm_segment.WORDS_PER_LINE,
@@ -83,12 +89,23 @@ def _c_all_reduce() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         _CLOSED,
         _GONE,
         _TIMEOUT,
+        MAIL,
+        TAKEN,
     )
     if tuple(got) != want:
         raise RuntimeError(f"shm_collective.c's segment layout {tuple(got)} is not shm_segment.py's {want}")
     fn = lib.warmcap_shm_all_reduce_f32
     fn.argtypes, fn.restype = _ALL_REDUCE_ARGS, ctypes.c_int64
-    return fn
+    lib.warmcap_shm_post.argtypes, lib.warmcap_shm_post.restype = [ctypes.c_void_p, *[ctypes.c_int64] * 2], None
+    lib.warmcap_shm_fetch.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4]
+    lib.warmcap_shm_fetch.restype = ctypes.c_int64
+    return lib
+
+
+def _c_all_reduce() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C all-reduce; None without a compiler (:func:`_c_library`)."""
+    lib = _c_library()
+    return None if lib is None else lib.warmcap_shm_all_reduce_f32
 
 
 #: the C call's statuses: a peer closed its end (+ its rank), a peer's process is gone (+ its rank),
@@ -133,6 +150,40 @@ _ALL_REDUCE = CpuOperator(
 )
 
 
+def _post_cpu(mail: torch.Tensor, words: int, rank: int, world: int) -> None:
+    lib = _c_library()
+    assert lib is not None
+    c_call(lib.warmcap_shm_post, words, rank, world)
+
+
+def _post_fake(mail, words, rank, world):  # type: ignore[no-untyped-def]
+    return None
+
+
+def _fetch_cpu(mail: torch.Tensor, words: int, rank: int, world: int, peer: int, timeout_ms: int) -> None:
+    lib = _c_library()
+    assert lib is not None
+    status = c_call(lib.warmcap_shm_fetch, words, rank, world, peer, timeout_ms)
+    if status:
+        raise _status_error(status, rank)
+
+
+def _fetch_fake(mail, words, rank, world, peer, timeout_ms):  # type: ignore[no-untyped-def]
+    return None
+
+
+# The mailbox tensor is each call's argument (marked written) so that whatever orders operators by
+# their tensors keeps the copy into it before the post and the reads of it after the fetch.
+_POST = CpuOperator("shm_post_", "(Tensor(a!) mail, int words, int rank, int world) -> ()", _post_cpu, _post_fake)
+_FETCH = CpuOperator(
+    "shm_fetch_",
+    "(Tensor(a!) mail, int words, int rank, int world, int peer, int timeout_ms) -> ()",
+    _fetch_cpu,
+    _fetch_fake,
+    status_error=_status_error,
+)
+
+
 class ShmCommunicator:
     """All-reduce (sum) and all-gather over a :class:`~.shm_segment.Segment`; see the module docstring."""
 
@@ -162,6 +213,40 @@ class ShmCommunicator:
             for p in (0, 1)
         ]
         self._typed: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        #: each rank's mailbox as float32 (rank r's is written by r only)
+        self._mail = [
+            whole[lay.mail_at(r) : lay.mail_at(r) + lay.mail_bytes].view(torch.float32)
+            for r in range(self.world_size)
+        ]
+
+    @property
+    def mail_floats(self) -> int:
+        """Floats one message may hold; 0: no mailbox (the C calls could not be built)."""
+        return 0 if self._c_args is None else self._mail[self.rank].numel()
+
+    def post(self, x: torch.Tensor) -> None:
+        """Write ``x`` (float32, at most :attr:`mail_floats`) into this rank's mailbox and count it
+        posted; the peer that reads it takes it with :meth:`fetch`."""
+        assert self._c_args is not None and x.dtype == torch.float32
+        if type(x) is not torch.Tensor:
+            # a fake tensor (a fake pass over the forward): the operator's fake does nothing
+            _POST(x, *self._c_args[:3])
+            return
+        mail = self._mail[self.rank][: x.numel()].view(x.shape)
+        mail.copy_(x)
+        words, rank, world = self._c_args[:3]
+        _POST(mail, words, rank, world)
+
+    def fetch(self, peer: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Wait for ``peer``'s next message and return it, ``shape`` float32, as a view of its
+        mailbox: valid until this rank next enters a collective with ``peer`` (the peer writes its
+        next message only after one). Raises :class:`~.shm_segment.PeerGoneError` when the peer
+        leaves or dies, TimeoutError past the collective timeout."""
+        assert self._c_args is not None
+        mail = self._mail[peer][: math.prod(shape)].view(shape)
+        words, rank, world = self._c_args[:3]
+        _FETCH(mail, words, rank, world, peer, self._c_args[5])
+        return mail
 
     @property
     def replayable(self) -> bool:

@@ -9,7 +9,11 @@ its counter never invalidates the line another rank is bumping):
 - one line per rank: its pid, its collective sequence number, its closed flag (set when it leaves,
   on any path, so peers stop waiting at once), and its ring count (messages read; rank 0: sent);
 - the data area: per rank two buffers (even and odd collective) of ``data_bytes`` each;
-- the ring area: ``ring_slots`` slots of ``ring_slot_bytes``.
+- the ring area: ``ring_slots`` slots of ``ring_slot_bytes``;
+- the mail area: per rank one mailbox of ``mail_bytes``, which that rank fills for one peer that
+  reads it in place (a helper rank's K/V projections for a rank holding more heads:
+  ``models/llama.py`` :class:`KVOffload`); MAIL counts what the owner posted, TAKEN what the
+  reader took.
 
 Lifetime: rank 0 creates ``/dev/shm/warmcap-<pid>-<hex>``; every rank maps it; once every rank has
 mapped it (a gloo barrier) the name is unlinked (:func:`open_local_group`). From then on the
@@ -56,8 +60,9 @@ PREFIX = "warmcap-"
 LINE = 128
 WORDS_PER_LINE = LINE // 8
 #: per-rank words within its line: its pid, its collective count, its closed flag, for the command
-#: ring the messages it has read (workers) or sent (rank 0), and the word it sleeps on (index + 1)
-PID, SEQ, CLOSED, READ, SENT, SLEEPING = 0, 1, 2, 3, 4, 5
+#: ring the messages it has read (workers) or sent (rank 0), the word it sleeps on (index + 1), and
+#: for the mailboxes the messages it has posted in its own and taken from its peer's
+PID, SEQ, CLOSED, READ, SENT, SLEEPING, MAIL, TAKEN = 0, 1, 2, 3, 4, 5, 6, 7
 #: each rank's collective buffer (x2, even and odd): a decode step's all-reduce is hidden x tokens
 #: floats (SmolLM2, 8 tokens: 18 KiB); a larger tensor goes through in chunks of this
 DATA_BYTES = 4 << 20
@@ -65,6 +70,8 @@ DATA_BYTES = 4 << 20
 #: a larger command falls back to the gloo broadcast)
 RING_SLOTS = 8
 RING_SLOT_BYTES = 256 << 10
+#: each rank's mailbox: SmolLM2's offloaded K/V (2 KV heads x 64 x 2 floats a token) for 4096 tokens
+MAIL_BYTES = 4 << 20
 #: how often a wait checks its peers and its deadline
 CHECK_S = 0.01
 #: waits first spin this many polls (a few microseconds), then for an adaptive time (below), then
@@ -181,6 +188,7 @@ class Layout:
     data_bytes: int = DATA_BYTES
     ring_slots: int = RING_SLOTS
     ring_slot_bytes: int = RING_SLOT_BYTES
+    mail_bytes: int = MAIL_BYTES
 
     @property
     def header_bytes(self) -> int:
@@ -201,15 +209,22 @@ class Layout:
         return self.ring_offset + index * self.ring_slot_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def mail_offset(self) -> int:
         return self.ring_offset + self.ring_slots * self.ring_slot_bytes
+
+    def mail_at(self, rank: int) -> int:
+        return self.mail_offset + rank * self.mail_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.mail_offset + self.world_size * self.mail_bytes
 
     def word(self, rank: int, field: int) -> int:
         """Index (in int64 words) of ``field`` of ``rank``'s header line."""
         return (1 + rank) * WORDS_PER_LINE + field
 
-    def describe(self) -> tuple[int, int, int, int]:
-        return (self.world_size, self.data_bytes, self.ring_slots, self.ring_slot_bytes)
+    def describe(self) -> tuple[int, int, int, int, int]:
+        return (self.world_size, self.data_bytes, self.ring_slots, self.ring_slot_bytes, self.mail_bytes)
 
 
 def _align(n: int, to: int) -> int:
@@ -275,7 +290,7 @@ class Segment:
         finally:
             os.close(fd)
         seg = cls(rank, layout, buf, name, timeout_s)
-        if tuple(seg.words[:4]) != layout.describe():
+        if tuple(seg.words[:5]) != layout.describe():
             seg.close()
             raise OSError(f"shared-memory segment {name} has another layout")
         seg._register()

@@ -259,6 +259,20 @@ def lm_head(hidden: int, vocab_size: int) -> nn.Linear:
     return ParallelLMHead(hidden, vocab_size)
 
 
+def checkpoint_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Checkpoint tensor name -> the further parameters read from it: a module's ``reads_from``
+    (child -> sibling whose checkpoint tensors it reads, through its own :class:`Shard`; the helper
+    rank of ``models/llama.py``'s K/V offload reads its peer's slice of k_proj and v_proj)."""
+    out: dict[str, list[str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for child, source in getattr(module, "reads_from", {}).items():
+            reader = getattr(module, child)
+            for pname, _ in reader.named_parameters(recurse=False):
+                base = f"{prefix}." if prefix else ""
+                out.setdefault(f"{base}{source}.{pname}", []).append(f"{base}{child}.{pname}")
+    return out
+
+
 def checkpoint_shards(model: nn.Module) -> dict[str, Shard]:
     """Parameter name -> the slice of its checkpoint tensor this rank holds, for every sharded
     parameter of ``model`` (names as ``named_parameters(remove_duplicate=False)`` gives them)."""

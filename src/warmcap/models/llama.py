@@ -14,12 +14,19 @@ import torch
 from torch import nn
 
 from warmcap.contracts.forward_context import ForwardContext
-from warmcap.contracts.parallel import ParallelState, parallel_state, split_evenly
+from warmcap.contracts.parallel import (
+    ParallelState,
+    fetch_from_peer,
+    mail_floats,
+    parallel_state,
+    post_to_peer,
+    split_evenly,
+)
 from warmcap.core.kv_spec import FullAttentionSpec, KVSpec, SlidingWindowSpec
 from warmcap.errors import ConfigError
 from warmcap.models.decoder import DecoderForCausalLM, DecoderModel, KVSettings, PreNormDecoderLayer
 from warmcap.models.layers import GatedMLP, RMSNorm, column_linear, row_linear
-from warmcap.models.packed_linear import packed_group
+from warmcap.models.packed_linear import PackedGroup, packed_group
 from warmcap.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
@@ -101,6 +108,47 @@ def head_split(num_heads: int, num_kv_heads: int, state: ParallelState) -> HeadS
     return HeadSplit(q_start, q_size, q_start // group, 1)
 
 
+@dataclass(frozen=True, slots=True)
+class KVOffload:
+    """Two ranks whose attention heads split unevenly (SmolLM2's 3 KV groups: rank 0 two, rank 1
+    one) even out their attention work: the helper computes the giver's K and V projections too
+    and posts them through the shared-memory mailbox (``distributed/shm_comm.py``), and the giver
+    projects only its queries.
+
+    Counted in [hidden x head_dim] slices of weight, a KV group costs ``2g + 2`` (its g query heads'
+    q and o, its k and v). SmolLM2 (g = 3): rank 0 held 16, rank 1 8, and every layer's two
+    all-reduces made rank 1 wait out the difference; with rank 0's four K/V slices on rank 1 both
+    hold 12. The giver keeps its own k/v weights: a step too large for the mailbox (a long prompt
+    chunk) is projected as before, both ranks deciding so from the same token count.
+
+    The values are the same bits: each output column of the compiled GEMM is summed the same way
+    whatever columns share the call (``models/packed_linear.py``), and RoPE is elementwise.
+    """
+
+    #: the rank that holds more heads and receives its K/V
+    giver: int
+    #: the rank that projects them
+    helper: int
+    #: the giver's KV heads, all offloaded: global ``[kv_start, kv_start + num_kv_heads)``
+    kv_start: int
+    num_kv_heads: int
+
+
+def kv_offload_plan(num_heads: int, num_kv_heads: int, state: ParallelState) -> KVOffload | None:
+    """The offload for this split (:class:`KVOffload`), or None: more or fewer than two ranks, an
+    even split, no mailbox, or no gain (the giver's K/V slices, ``2 G0``, must be fewer than a
+    group's ``2g + 2``, else the helper would end up the busier rank)."""
+    if state.world_size != 2 or num_kv_heads < state.world_size or num_kv_heads % 2 == 0:
+        return None
+    if mail_floats() == 0:
+        return None
+    group = num_heads // num_kv_heads
+    giver_groups = num_kv_heads // 2 + 1
+    if giver_groups > group:
+        return None
+    return KVOffload(giver=0, helper=1, kv_start=0, num_kv_heads=giver_groups)
+
+
 class LlamaAttention(nn.Module):
     #: q, k and v read the same input: one packed GEMM on CPU (``models/packed_linear.py``)
     packed_groups: ClassVar[tuple[tuple[str, ...], ...]] = (("q_proj", "k_proj", "v_proj"),)
@@ -131,6 +179,24 @@ class LlamaAttention(nn.Module):
         self.k_proj = column_linear(hidden, total_kv_heads * hd, *kv_rows, bias=qkv_bias)
         self.v_proj = column_linear(hidden, total_kv_heads * hd, *kv_rows, bias=qkv_bias)
         self.o_proj = row_linear(total_heads * hd, hidden, *q_rows, bias=o_bias)
+        #: the K/V offload between two ranks with uneven heads (:class:`KVOffload`); it runs once
+        #: :meth:`settle_kv_offload` found the compiled GEMM on this rank (``kv_offload_on``)
+        # (not with q/k norms: the giver would norm what arrives; not worth a path of its own)
+        self.kv_offload = (
+            None if traits.qk_norm else kv_offload_plan(total_heads, total_kv_heads, parallel_state())
+        )
+        self.kv_offload_on = False
+        self.peer_k_proj: nn.Linear | None = None
+        self.peer_v_proj: nn.Linear | None = None
+        offload = self.kv_offload
+        if offload is not None and parallel_state().rank == offload.helper:
+            peer_rows = (offload.kv_start * hd, offload.num_kv_heads * hd)
+            self.peer_k_proj = column_linear(hidden, total_kv_heads * hd, *peer_rows, bias=qkv_bias)
+            self.peer_v_proj = column_linear(hidden, total_kv_heads * hd, *peer_rows, bias=qkv_bias)
+            #: the loader reads these from the checkpoint's k_proj / v_proj (models/loader.py)
+            self.reads_from = {"peer_k_proj": "k_proj", "peer_v_proj": "v_proj"}
+            # The giver's K/V columns first: the helper computes and posts them before its own.
+            self.packed_groups = (("peer_k_proj", "peer_v_proj", "q_proj", "k_proj", "v_proj"),)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if traits.qk_norm:
@@ -162,6 +228,56 @@ class LlamaAttention(nn.Module):
         q, k, v = group(x)
         return q, k, v
 
+    def _helper_group(self) -> PackedGroup | None:
+        if self.peer_k_proj is None or self.peer_v_proj is None:
+            return None
+        return packed_group(self.peer_k_proj, self.peer_v_proj, self.q_proj, self.k_proj, self.v_proj)
+
+    def settle_kv_offload(self, mode: str) -> bool:
+        """Turn the offload on where planned, the config's ``kernel.tp_balance`` (``mode``) is
+        ``auto`` and this rank runs the compiled GEMM over whole column blocks; returns whether it
+        is on. Every rank decides alike: the same config, the same machine's compiler."""
+        offload = self.kv_offload
+        self.kv_offload_on = False
+        if offload is None or mode != "auto":
+            return False
+        d = self.head_dim
+        if parallel_state().rank == offload.helper:
+            group = self._helper_group()
+            ok = group is not None and group.runs_columns(0) and group.runs_columns(2 * offload.num_kv_heads * d)
+        else:
+            group = packed_group(self.q_proj, self.k_proj, self.v_proj)
+            ok = group is not None and group.runs_columns(0) and (self.num_heads * d) % 16 == 0
+        self.kv_offload_on = bool(ok) and self.q_norm is None
+        return self.kv_offload_on
+
+    def _offload_rows(self, t: int) -> bool:
+        """Whether a pass of ``t`` tokens goes through the mailbox (both ranks decide alike)."""
+        offload = self.kv_offload
+        assert offload is not None
+        return self.kv_offload_on and t * 2 * offload.num_kv_heads * self.head_dim <= mail_floats()
+
+    def _own_product(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """This rank's q|k|v product (one tensor) on the packed path, or None (not packed). The
+        helper of an offload first posts the giver's K/V; the giver gets ``(q, its K/V)``, the K/V
+        ``[T, 2 * kv_heads * head_dim]`` as the helper posted them (not yet rotated)."""
+        helper = self._helper_group()
+        if helper is not None:
+            peer = helper.sizes[0] + helper.sizes[1]
+            if self._offload_rows(x.shape[0]):
+                post_to_peer(helper.columns(x, 0, peer))
+            return helper.columns(x, peer, sum(helper.sizes) - peer), None
+        group = packed_group(self.q_proj, self.k_proj, self.v_proj)
+        if group is None:
+            return None
+        offload = self.kv_offload
+        if offload is not None and self._offload_rows(x.shape[0]):
+            t, d = x.shape[0], self.head_dim
+            q = group.columns(x, 0, self.num_heads * d)
+            # Projected after the queries: the helper projected these first, so they are ready.
+            return q, fetch_from_peer(offload.helper, (t, 2 * self.num_kv_heads * d))
+        return group.product(x), None
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
@@ -172,14 +288,23 @@ class LlamaAttention(nn.Module):
             if kv_cache is not None:
                 return self._fused_forward(fused, x, cos, sin, ctx, kv_cache)
         t, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        group = packed_group(self.q_proj, self.k_proj, self.v_proj)
-        if group is not None and self.q_norm is None:
+        own = self._own_product(x) if self.q_norm is None else None
+        ops = self.cpu_ops
+        qkv, kv = own if own is not None else (None, None)
+        if qkv is not None and kv is not None:
+            # The giver of a K/V offload: q is its product, K/V came from the helper.
+            q, k = qkv.view(t, hq, d), kv[:, : hkv * d].view(t, hkv, d)
+            v = kv[:, hkv * d :].view(t, hkv, d)
+            # Fresh product and a message read only here: both may be rotated in place.
+            if ops is None or not ops.rope_(q, cos, sin):
+                q = apply_rope(q, cos, sin)
+            if ops is None or not ops.rope_(k, cos, sin):
+                k = apply_rope(k, cos, sin)
+        elif qkv is not None:
             # q and k are adjacent columns of one product: rotate them in one pass (elementwise, so
             # the same values as a pass each).
-            qkv = group.product(x)
             qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
             # The product is fresh: the CPU layer ops may rotate it in place (the same bits).
-            ops = self.cpu_ops
             if ops is None or not ops.rope_(qk, cos, sin):
                 qk = apply_rope(qk, cos, sin)
             q, k = qk.split((hq, hkv), dim=1)

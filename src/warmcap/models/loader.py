@@ -19,7 +19,7 @@ from warmcap.config import KernelConfig
 from warmcap.contracts.parallel import parallel_state
 from warmcap.errors import ConfigError, ModelLoadError
 from warmcap.models.decoder import check_tensor_parallel
-from warmcap.models.layers import Shard, checkpoint_shards
+from warmcap.models.layers import Shard, checkpoint_aliases, checkpoint_shards
 from warmcap.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -146,6 +146,7 @@ def load_model(
     model.to_empty(device=device)
     model.tie_weights()
     shards = checkpoint_shards(model)
+    aliases = checkpoint_aliases(model)
 
     where: dict[str, Path | None] = {"file": None}
 
@@ -159,6 +160,8 @@ def load_model(
                         yield name, handle.get_tensor(name)
                     else:
                         yield name, _read_shard(handle.get_slice(name), shard)
+                    for alias in aliases.get(name, ()):
+                        yield alias, _read_shard(handle.get_slice(name), shards[alias])
         where["file"] = None
 
     # safe_open's tensors are private copy-on-write maps of the file that only this function holds:
@@ -186,6 +189,11 @@ def load_model(
 
         kernels = kernels or KernelConfig()
         prepack_linears(model, gemm_mode=kernels.cpu_gemm)
+        for module in model.modules():
+            # models/llama.py KVOffload: on once the packed GEMM it needs is there
+            settle = getattr(module, "settle_kv_offload", None)
+            if settle is not None:
+                settle(kernels.tp_balance)
         if torch.device(device).type == "cpu":
             # Compiled for and checked against CPU tensors only: a GPU model never builds them.
             attach_cpu_layer_ops(model, kernels.cpu_layer_ops)

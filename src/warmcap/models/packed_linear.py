@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warmcap.kernels.cpu.gemm import BlockedWeight, Gemm, blocked_bytes, load_gemm
+from warmcap.kernels.cpu.gemm import BLOCK, BlockedWeight, Gemm, blocked_bytes, load_gemm
 
 
 def can_prepack() -> bool:
@@ -89,6 +89,22 @@ class PackedGroup:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The members' outputs side by side along the last dim, in order."""
         return _linear(x, self.weight, self.bias, self.gemm)
+
+    def columns(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Output features ``[start, start + count)`` of :meth:`product` (the same bits): a GEMM of
+        those columns alone where the compiled GEMM holds the weight and ``start`` is on a column
+        block, else a slice of the whole product."""
+        if self.gemm is not None:
+            assert isinstance(self.weight, BlockedWeight)
+            out = self.gemm.linear_columns(x, self.weight, start, count)
+            if out is not None:
+                return out
+        return self.product(x)[..., start : start + count]
+
+    def runs_columns(self, start: int) -> bool:
+        """Whether :meth:`columns` from ``start`` computes only those columns (a compiled GEMM
+        over whole column blocks) rather than slicing the whole product."""
+        return self.gemm is not None and isinstance(self.weight, BlockedWeight) and start % BLOCK == 0
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every member's output, in order (views of one product)."""

@@ -224,6 +224,18 @@ class Gemm:
             return None
         return _GEMM(x, weight.blocks, weight.bias, weight.out_features)
 
+    def linear_columns(self, x: torch.Tensor, weight: BlockedWeight, start: int, count: int) -> torch.Tensor | None:
+        """Output features ``[start, start + count)`` of :meth:`linear` alone (``start`` a whole
+        number of column blocks), their bits in the whole product; None as there, or when ``start``
+        is not on a block."""
+        if start % BLOCK or start < 0 or count < 0 or start + count > weight.out_features:
+            return None
+        if not self._takes(x, weight):
+            return None
+        first, last = start // BLOCK, (start + count + BLOCK - 1) // BLOCK
+        bias = None if weight.bias is None else weight.bias[start:]
+        return _GEMM(x, weight.blocks[first:last], bias, count)
+
     def silu_mul(self, x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor | None:
         """``silu(gate) * up`` ``[..., I]`` where ``weight`` packs the gate and up linears as one
         (gate first, ``2I`` output features): the products stay in registers and cache instead of

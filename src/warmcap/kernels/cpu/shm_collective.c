@@ -1,6 +1,7 @@
 /*
  * The tensor-parallel all-reduce (sum) of float32 tensors over the ranks' shared-memory segment, as
- * one C call (distributed/shm_comm.py, whose Python collective it mirrors word for word).
+ * one C call (distributed/shm_comm.py, whose Python collective it mirrors word for word), and the
+ * one-way mailbox a helper rank posts a peer's K/V projections through (models/llama.py KVOffload).
  *
  * Why in C: a recorded CPU graph (graphs/capture/cpu_program.py) replays a forward as the C calls
  * its operators made, with their arguments as recorded. A collective whose waits and sequence
@@ -35,6 +36,8 @@
 #define F_SEQ 1
 #define F_CLOSED 2
 #define F_SLEEPING 5
+#define F_MAIL 6
+#define F_TAKEN 7
 #define SPIN_POLLS 64
 #define SPIN_MAX_NS 500000L
 #define CHECK_NS 10000000L
@@ -53,6 +56,8 @@ void warmcap_shm_layout(int64_t *out)
     out[5] = WARMCAP_SHM_CLOSED;
     out[6] = WARMCAP_SHM_GONE;
     out[7] = WARMCAP_SHM_TIMEOUT;
+    out[8] = F_MAIL;
+    out[9] = F_TAKEN;
 }
 
 /* The adaptive spin of shm_segment.py (SPIN_MAX_S, SPIN_SHARE_WEIGHT): per process, as there. */
@@ -125,11 +130,11 @@ static int64_t check_peers(int64_t *words, int64_t rank, int64_t world)
     return 0;
 }
 
-/* Wait until rank peer's SEQ reaches target (shm_segment.Segment.wait_at_least). */
-static int64_t wait_seq(int64_t *words, int64_t rank, int64_t world, int64_t peer, int64_t target,
-                        int64_t timeout_ms)
+/* Wait until rank peer's field reaches target (shm_segment.Segment.wait_at_least). */
+static int64_t wait_field(int64_t *words, int64_t rank, int64_t world, int64_t peer, int field,
+                          int64_t target, int64_t timeout_ms)
 {
-    int64_t *w = word(words, peer, F_SEQ);
+    int64_t *w = word(words, peer, field);
     for (int i = 0; i < SPIN_POLLS; i++)
         if (load(w) >= target)
             return 0;
@@ -170,11 +175,11 @@ static int64_t wait_seq(int64_t *words, int64_t rank, int64_t world, int64_t pee
     return status;
 }
 
-/* Publish this rank's SEQ and wake a peer asleep on it (shm_segment.Segment.set). */
-static void publish(int64_t *words, int64_t rank, int64_t world, int64_t seq)
+/* Publish this rank's field and wake a peer asleep on it (shm_segment.Segment.set). */
+static void publish(int64_t *words, int64_t rank, int64_t world, int field, int64_t value)
 {
-    int64_t *w = word(words, rank, F_SEQ);
-    __atomic_store_n(w, seq, __ATOMIC_SEQ_CST);
+    int64_t *w = word(words, rank, field);
+    __atomic_store_n(w, value, __ATOMIC_SEQ_CST);
     const int64_t index = w - words;
     for (int64_t r = 0; r < world; r++) {
         if (r != rank && __atomic_load_n(word(words, r, F_SLEEPING), __ATOMIC_SEQ_CST) == index + 1) {
@@ -201,11 +206,11 @@ int64_t warmcap_shm_all_reduce_f32(float *x, int64_t n, int64_t *words, int64_t 
         const int64_t phase = seq & 1;
         float *mine = (float *)(base + data_offset + (2 * rank + phase) * data_bytes);
         memcpy(mine, x + start, (size_t)m * sizeof(float));
-        publish(words, rank, world, seq);
+        publish(words, rank, world, F_SEQ, seq);
         for (int64_t r = 0; r < world; r++) {
             if (r == rank)
                 continue;
-            int64_t status = wait_seq(words, rank, world, r, seq, timeout_ms);
+            int64_t status = wait_field(words, rank, world, r, F_SEQ, seq, timeout_ms);
             if (status)
                 return status;
         }
@@ -220,5 +225,33 @@ int64_t warmcap_shm_all_reduce_f32(float *x, int64_t n, int64_t *words, int64_t 
                 out[i] += br[i];
         }
     }
+    return 0;
+}
+
+/*
+ * The mailbox: this rank has written its next message into its own mailbox (plain stores, before
+ * this call); count it posted (MAIL += 1) and wake the peer asleep on it. The release store orders
+ * the message before the count.
+ */
+void warmcap_shm_post(int64_t *words, int64_t rank, int64_t world)
+{
+    publish(words, rank, world, F_MAIL, load(word(words, rank, F_MAIL)) + 1);
+}
+
+/*
+ * Wait for rank peer's next message (its MAIL reaching this rank's TAKEN + 1), then count it taken;
+ * after it the message in peer's mailbox is readable here. The peer writes its next message only
+ * after a collective this rank enters once it is done with this one (the o projection's
+ * all-reduce), so one mailbox serves without a second phase. Returns 0 or a status as the
+ * all-reduce does.
+ */
+int64_t warmcap_shm_fetch(int64_t *words, int64_t rank, int64_t world, int64_t peer, int64_t timeout_ms)
+{
+    int64_t *taken = word(words, rank, F_TAKEN);
+    const int64_t target = load(taken) + 1;
+    int64_t status = wait_field(words, rank, world, peer, F_MAIL, target, timeout_ms);
+    if (status)
+        return status;
+    __atomic_store_n(taken, target, __ATOMIC_RELEASE);
     return 0;
 }
