@@ -172,12 +172,13 @@ def test_max_model_len_auto_is_the_models_own_limit(capture_config) -> None:
     assert "auto for the model's own limit" in res.output
 
 
-def test_serve_by_default_takes_vllms_server_limits_for_the_device_and_runs_eager_on_cpu(
+def test_serve_by_default_takes_vllms_server_limits_for_the_device_and_graphs_on_cpu(
     capture_config,
 ) -> None:
     config = capture_config("serve", "--device", "cpu")
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (128, 2048)
-    assert config.model.enforce_eager and config.speculative is None
+    # graphs, the ones that record on CPU (serving_graphs, tested below)
+    assert not config.model.enforce_eager and config.speculative is None
     assert config.scheduler.max_model_len is None  # the model's own context
     assert config.cache.kv_cache_space_gib is None  # the CPU default space (kv_sizing.py)
     given = capture_config("serve", "--device", "cpu", "--max-num-batched-tokens", "64", "--capture-graphs")
@@ -197,3 +198,22 @@ def test_plan_serve_describes_the_engine_serve_builds(capture_config, flags: lis
     assert capture_config("plan", "--serve", "--device", "cpu", *flags) == capture_config(
         "serve", "--device", "cpu", *flags
     )
+
+
+def test_serve_on_cpu_captures_the_graphs_that_record_and_leaves_given_choices_alone() -> None:
+    from warmcap.cli import serving_graphs
+    from warmcap.config import StartupOptions
+
+    base = {"device": "cpu", "max_num_seqs": 128, "enforce_eager": None, "speculative_config": "none"}
+    engine, startup = serving_graphs(base, StartupOptions())
+    assert engine["enforce_eager"] is False
+    # the ladder up to the 32-token recording limit, decode graphs only
+    assert startup.capture_sizes == (1, 2, 4, 8, 16, 24, 32) and startup.graph_shapes == "decode"
+    # a speculative decode step is 1 + k tokens a row: the ladder is capped the same way
+    _, spec = serving_graphs({**base, "max_num_seqs": 2, "speculative_config": "ngram:3"}, StartupOptions())
+    assert spec.capture_sizes == (1, 2, 4, 8, 16)
+    # what the user gave stays: eager, sizes, shapes
+    eager, untouched = serving_graphs({**base, "enforce_eager": True}, StartupOptions())
+    assert eager["enforce_eager"] is True and untouched == StartupOptions()
+    _, given = serving_graphs(base, StartupOptions(capture_sizes=(1, 64), graph_shapes="all"))
+    assert given.capture_sizes == (1, 64) and given.graph_shapes == "all"

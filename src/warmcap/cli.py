@@ -213,7 +213,11 @@ def plan(
         engine = serving_engine_values(engine)
         source = ctx.get_parameter_source("enforce_eager")
         if source is not None and source.name == "DEFAULT":
-            engine["enforce_eager"] = serving_enforce_eager(engine["device"])
+            engine["enforce_eager"] = None
+    # Checked as `warmup run` checks them (one record), though only the page shows the graphs they shape.
+    startup = startup_options(backend=backend, capture_sizes=capture_sizes)
+    if serve_defaults:
+        engine, startup = serving_graphs(engine, startup)
     config = engine_config(model, engine)
     if config.tensor_parallel_size > 1:
         _refuse_unshardable(model, config.tensor_parallel_size)
@@ -221,8 +225,6 @@ def plan(
     assembly = assemble_for_plan(replace(config, tensor_parallel_size=1))
     if html:
         _check_out_path(html, "--html")
-    # Checked as `warmup run` checks them (one record), though only the page shows the graphs they shape.
-    startup = startup_options(backend=backend, capture_sizes=capture_sizes)
     result = plan_warmup(assembly.config, assembly.kv_groups, assembly.num_blocks)
     if html:
         from warmcap.assembly import resolve_device
@@ -237,6 +239,7 @@ def plan(
             device=resolve_device(assembly.config.model.device),
             backend=startup.backend,
             capture_sizes=None if startup.capture_sizes is None else list(startup.capture_sizes),
+            graph_shapes=startup.graph_shapes or "all",
         )
         write_plan_page(html, result, graphs)
     if as_json:
@@ -261,12 +264,41 @@ def serving_engine_values(engine: dict[str, Any]) -> dict[str, Any]:
 
 
 def serving_enforce_eager(device: str) -> bool:
-    """``warmup serve``'s graph default: eager on CPU (the ``static`` backend runs the same eager
-    code, and one graph per decode batch size up to ``max_num_seqs`` would lengthen start-up by
-    minutes), graphs on CUDA."""
+    """``warmup generate``'s graph default: eager on CPU, graphs on CUDA."""
     from warmcap.assembly import resolve_device
 
     return resolve_device(device).type != "cuda"
+
+
+def serving_graphs(engine: dict[str, Any], startup: StartupOptions) -> tuple[dict[str, Any], StartupOptions]:
+    """``warmup serve``'s graphs where the flags leave them open: on CUDA every decode size (the
+    start-up options as given); on CPU the graphs that pay, those a ``static`` graph records
+    (``graphs/capture/capturer.py:RECORD_MAX_TOKENS``, 32 tokens: past it a replay runs the eager
+    forward again): decode graphs at the capture ladder up to that, decode steps padded to it, and
+    no mixed graph (``graph_shapes`` ``decode``: a mixed step of 32 tokens or fewer is rare when
+    prompts are chunked 2048 tokens a step), so start-up verifies 7 graphs rather than one per
+    request count and the mixed ladder (163 for 128 sequences: minutes). Larger batches run eagerly."""
+    from dataclasses import replace
+
+    from warmcap.assembly import resolve_device
+    from warmcap.config import SpeculativeConfig
+    from warmcap.graphs.capture.capturer import RECORD_MAX_TOKENS
+    from warmcap.graphs.capture.sizes import default_capture_sizes
+
+    out = dict(engine)
+    cuda = resolve_device(engine["device"]).type == "cuda"
+    if out.get("enforce_eager") is None:
+        out["enforce_eager"] = False
+    if cuda or out["enforce_eager"]:
+        return out, startup
+    if startup.capture_sizes is None:
+        spec = SpeculativeConfig.parse(out.get("speculative_config") or "none")
+        k = spec.num_speculative_tokens if spec is not None else 0
+        ladder = default_capture_sizes(out["max_num_seqs"], k)
+        startup = replace(startup, capture_sizes=tuple(s for s in ladder if s <= RECORD_MAX_TOKENS) or (1,))
+    if startup.graph_shapes is None:
+        startup = replace(startup, graph_shapes="decode")
+    return out, startup
 
 
 def _refuse_unshardable(model: str, tensor_parallel_size: int) -> None:
@@ -610,9 +642,8 @@ def serve(
     from warmcap.serve.app import ServeOptions
     from warmcap.serve.server import serve as run_server
 
-    if engine["enforce_eager"] is None:
-        engine["enforce_eager"] = serving_enforce_eager(engine["device"])
-    config = engine_config(model, serving_engine_values(engine))
+    engine, startup = serving_graphs(serving_engine_values(engine), startup)
+    config = engine_config(model, engine)
     options = ServeOptions(api_key=api_key, startup=startup, poison_free_kv=poison_free_kv)
     # A server logs its start-up phases (INFO; every step with --verbose) instead of drawing them:
     # its stderr is a log, and start-up runs in the app's own thread.

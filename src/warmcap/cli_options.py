@@ -79,7 +79,9 @@ SERVE = CommandDefaults(
     help_notes={
         "max_num_seqs": " Default: vLLM's server default for the device (128 on CPU).",
         "max_num_batched_tokens": " Default: vLLM's server default for the device (2048 on CPU).",
-        "enforce_eager": _EAGER_BY_DEVICE + " A graph per decode batch size would add minutes on CPU.",
+        "enforce_eager": " Default: graphs; on CPU only those a static graph records (up to 32 tokens: "
+        "decode graphs at the capture ladder 1, 2, 4, 8, 16, 24, 32, decode steps padded to it: "
+        "--graph-shapes decode), larger and mixed batches eager.",
     },
 )
 
@@ -169,6 +171,17 @@ RecordCpuGraphs = Annotated[
 ]
 
 
+GraphShapes = Annotated[
+    str | None,
+    typer.Option(
+        help="Which graphs: all (a decode graph per request count up to --max-num-seqs, no decode step "
+        "padded; mixed graphs at the capture sizes), sizes (both at the capture sizes only, a decode "
+        "step padded to the next, as vLLM pads) or decode (decode graphs at the capture sizes, mixed "
+        "steps eager). Default: all; warmup serve on CPU: decode.",
+    ),
+]
+
+
 def startup_options(
     *,
     backend: str | None,
@@ -177,6 +190,7 @@ def startup_options(
     audit_serving: bool = STARTUP_DEFAULTS.audit_serving,
     startup_cache: bool = STARTUP_DEFAULTS.startup_cache,
     record_cpu_graphs: bool = STARTUP_DEFAULTS.record_cpu_graphs,
+    graph_shapes: str | None = None,
 ) -> StartupOptions:
     """The command's start-up options as one record (``--capture-sizes`` parsed)."""
     from warmcap.graphs.capture.sizes import parse_capture_sizes
@@ -189,6 +203,7 @@ def startup_options(
         audit_serving=audit_serving,
         startup_cache=startup_cache,
         record_cpu_graphs=record_cpu_graphs,
+        graph_shapes=graph_shapes,
     )
 
 
@@ -200,6 +215,7 @@ STARTUP_OPTION_TYPES: dict[str, Any] = {
     "audit_serving": AuditServing,
     "startup_cache": StartupCache,
     "record_cpu_graphs": RecordCpuGraphs,
+    "graph_shapes": GraphShapes,
 }
 
 
@@ -215,8 +231,9 @@ def takes_startup_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             name,
             inspect.Parameter.KEYWORD_ONLY,
             annotation=annotation,
-            # --capture-sizes is text on the command line; unset is the record's None
-            default=None if name == "capture_sizes" else getattr(STARTUP_DEFAULTS, name),
+            # --capture-sizes is text; unset (None) --capture-sizes and --graph-shapes leave the
+            # choice to the command (warmup serve on CPU picks its own)
+            default=None if name in ("capture_sizes", "graph_shapes") else getattr(STARTUP_DEFAULTS, name),
         )
         for name, annotation in STARTUP_OPTION_TYPES.items()
     ]

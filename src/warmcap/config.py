@@ -566,6 +566,12 @@ class StartupOptions:
     #: ``static`` graphs on CPU replay a recording of their forward's kernel calls where they can
     #: (``graphs/capture/cpu_program.py``); off: every replay runs the forward
     record_cpu_graphs: bool = True
+    #: which target graphs: ``all`` (a uniform-decode graph for every request count up to
+    #: ``max_num_seqs``, no decode step padded; mixed graphs at the capture sizes), ``sizes`` (both
+    #: at the capture sizes, a decode step padded to the next, as vLLM pads) or ``decode`` (decode
+    #: graphs at the capture sizes, mixed steps eager). None: ``all``, except that ``warmup serve``
+    #: on CPU takes ``decode`` (``cli.py:serving_graphs``)
+    graph_shapes: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -580,6 +586,12 @@ class StartupOptions:
                 f"capture_sizes {self.capture_sizes!r} must be token counts >= 1, e.g. (1, 2, 4, 8)",
             )
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+        _require(
+            self.graph_shapes in (None, "all", "sizes", "decode"),
+            f"graph_shapes {self.graph_shapes!r} is not one of all, sizes, decode: all (a decode graph "
+            "per request count), sizes (decode and mixed graphs at the capture sizes) or decode "
+            "(decode graphs at the capture sizes only)",
+        )
         for name in ("audit", "audit_serving", "startup_cache", "record_cpu_graphs"):
             _require(
                 isinstance(getattr(self, name), bool),

@@ -80,6 +80,7 @@ def startup_hooks_for(startup: StartupOptions, *, strict: bool = True) -> list[S
             capture_sizes=sizes,
             startup_cache=startup.startup_cache,
             record_cpu_graphs=startup.record_cpu_graphs,
+            graph_shapes=startup.graph_shapes or "all",
         ),
     ]
 

@@ -39,6 +39,24 @@ def test_graph_set_covers_decode_without_holes_and_the_ladder(captured) -> None:
     assert startup.result.plan.capture_sizes == [1, 2, 4, 8, 16]
 
 
+@pytest.mark.parametrize("shapes", ["sizes", "decode"])
+def test_graph_shapes_at_the_capture_sizes_pad_decode_steps_and_verify(shapes) -> None:
+    """``sizes``: decode graphs only where a decode step's token count is a capture size (a step of
+    3 requests pads to the 4-request graph) and the mixed ladder; ``decode``: no mixed graph."""
+    from warmcap.graphs.capture.descriptors import BatchShape, Dispatcher
+
+    rig = make_rig(k=1)
+    startup = capture_graphs(rig.runner, rig.manager, backend="static", capture_sizes=[1, 2, 8], graph_shapes=shapes)
+    keys = {g.spec.descriptor for g in startup.result.graphs}
+    # k = 1: a decode row is 2 tokens, so 2 and 8 tokens are 1 and 4 requests (4 = 6 tokens has none)
+    uniform = {BatchDescriptor(FULL, 2, 1, 2), BatchDescriptor(FULL, 8, 4, 2)}
+    mixed = {BatchDescriptor(FULL, s, min(s, 4)) for s in (1, 2, 8)} if shapes == "sizes" else set()
+    assert keys == uniform | mixed
+    assert startup.checks and all(c.verified for c in startup.checks)
+    three = BatchShape.from_query_lens([2, 2, 2], all_decode=True)
+    assert Dispatcher(keys).dispatch(three) == BatchDescriptor(FULL, 8, 4, 2)
+
+
 def test_every_graph_replays_bit_equal_and_real_rows_match(captured) -> None:
     _, startup, _ = captured
     assert len(startup.checks) == len(startup.result.graphs) == 9

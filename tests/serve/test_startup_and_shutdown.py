@@ -108,6 +108,35 @@ def test_serve_enforce_eager_becomes_ready_with_no_graphs_and_audits_serving(mon
         assert counts == {"steps": audit.steps, "slots_checked": audit.slots_checked, "violations": 0}
 
 
+def test_serve_on_cpu_by_default_replays_recorded_decode_graphs(monkeypatch) -> None:
+    """No graph flag: the decode graphs a CPU graph records (the ladder up to 32 tokens, decode steps
+    padded to it), all verified and recorded, no mixed graph; requests replay them."""
+    import warmcap.serve.server
+
+    seen = {}
+
+    def capture(config, options, *, host, port, model_threads=None):
+        seen.update(config=config, options=options)
+
+    monkeypatch.setattr(warmcap.serve.server, "serve", capture)
+    args = ["serve", "--model", "tiny-llama", "--num-blocks", "128", "--max-num-seqs", "16"]
+    result = CliRunner().invoke(cli_app, [*args, "--port", str(free_port())])
+    assert result.exit_code == 0, result.output
+    assert not seen["config"].model.enforce_eager
+    with running(build_app(seen["config"], seen["options"])) as srv:
+        srv.wait_ready()
+        startup = httpx.get(srv.base_url + "/startup").json()
+        assert startup["backend"] == "static" and startup["capture_sizes"] == [1, 2, 4, 8, 16, 24, 32]
+        # 16 sequences: decode graphs of 1, 2, 4, 8 and 16 requests; every one recorded and verified
+        assert startup["totals"]["count"] == 5 and startup["totals"]["all_verified"]
+        assert any("5 of 5 graphs replay a recorded program" in n for n in startup["notes"])
+        graphs = srv.state.loop.engine.runner.graphs
+        before = sum(graphs.replays.values())
+        done = srv.client().completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8)
+        assert done.choices[0].text
+        assert sum(graphs.replays.values()) > before
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_inflight_requests_with_an_error_and_exits_0(
     sig: signal.Signals, tmp_path: Path

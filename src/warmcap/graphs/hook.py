@@ -19,12 +19,14 @@ def graph_capture_hook(
     verify: bool = True,
     startup_cache: bool = False,
     record_cpu_graphs: bool = True,
+    graph_shapes: str = "all",
 ) -> GraphStartup | None:
     """Capture the runner's graphs (``cuda`` on a GPU, ``static`` elsewhere) after warmup; None
     when the config says ``enforce_eager``. The engine keeps the result as
     ``startup_results["graph_capture"]``. ``startup_cache``: reuse and record verdicts in the
     start-up cache (:mod:`warmcap.graphs.proof.startup_cache`). ``record_cpu_graphs``: ``static``
-    graphs on CPU replay recordings where they can (:mod:`warmcap.graphs.capture.cpu_program`)."""
+    graphs on CPU replay recordings where they can (:mod:`warmcap.graphs.capture.cpu_program`).
+    ``graph_shapes``: a decode graph per request count (``every``) or at the capture sizes."""
     if ctx.config.model.enforce_eager:
         return None
     from warmcap.models.presets import resolve_model_path
@@ -39,4 +41,5 @@ def graph_capture_hook(
         startup_cache=startup_cache_dir() if startup_cache else None,
         model_dir=resolve_model_path(ctx.config.model.model) if startup_cache else None,
         record_cpu_graphs=record_cpu_graphs,
+        graph_shapes=graph_shapes,
     )

@@ -165,6 +165,7 @@ def capture_graphs(
     model_dir: Path | None = None,
     plan_backend: str | None = None,
     record_cpu_graphs: bool = True,
+    graph_shapes: str = "all",
 ) -> GraphStartup:
     """Capture the runner's target and drafter graphs, verify each (I4), and attach them for
     serving (``runner.attach_graphs``). ``report`` is
@@ -178,11 +179,18 @@ def capture_graphs(
     (``static`` capture of the ``cuda`` plan: which steps a GPU would replay, on CPU).
     ``record_cpu_graphs``: ``static`` graphs on CPU replay recordings of their forward where they
     can (:mod:`warmcap.graphs.capture.cpu_program`); False: every replay runs the forward.
+    ``graph_shapes``: ``every`` request count gets a decode graph, or only the capture sizes
+    (``sizes``; ``graphs/capture/planning.py:plan_target``).
     """
     say = report or _silent
     chosen = backend or default_backend(runner)
     capturer = GraphCapturer(
-        runner, chosen, capture_sizes=capture_sizes, plan_backend=plan_backend, record=record_cpu_graphs
+        runner,
+        chosen,
+        capture_sizes=capture_sizes,
+        plan_backend=plan_backend,
+        record=record_cpu_graphs,
+        graph_shapes=graph_shapes,
     )
     cache = None
     if startup_cache is not None:

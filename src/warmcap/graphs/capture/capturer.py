@@ -111,6 +111,7 @@ def planned_capture(
     device: torch.device,
     backend: str | None = None,
     capture_sizes: list[int] | None = None,
+    graph_shapes: str = "all",
 ) -> CapturePlan:
     """The graphs a start-up of an assembled ``config`` on ``device`` captures (its KV groups, its
     drafter's model), with no runner and no weight: ``warmup plan --html`` draws these. The
@@ -124,7 +125,12 @@ def planned_capture(
         device, name=config.model.attention_backend, batch_invariant=config.model.batch_invariant
     )
     facts = CaptureFacts.of_config(config, kv_groups, attention, draft_model)
-    return plan_capture(facts, capture_sizes=capture_sizes, backend=backend or default_backend_for(device))
+    return plan_capture(
+        facts,
+        capture_sizes=capture_sizes,
+        backend=backend or default_backend_for(device),
+        graph_shapes=graph_shapes,
+    )
 
 
 @dataclass(slots=True)
@@ -175,6 +181,7 @@ class GraphCapturer:
         drafter_graphs: bool = True,
         plan_backend: str | None = None,
         record: bool = True,
+        graph_shapes: str = "all",
     ):
         check_backend(backend)
         if backend == "cuda" and not (torch.cuda.is_available() and runner.device.type == "cuda"):
@@ -187,6 +194,7 @@ class GraphCapturer:
         #: whether ``static`` graphs on CPU record their forward (:meth:`why_not_recorded`)
         self.record = record
         self.capture_sizes = capture_sizes
+        self.graph_shapes = graph_shapes
         # ``plan_backend``: capture the graphs another backend would (``static`` following the
         # ``cuda`` plan shows on CPU which steps a GPU run replays).
         planned = plan_capture(
@@ -194,6 +202,7 @@ class GraphCapturer:
             capture_sizes=capture_sizes,
             backend=plan_backend or backend,
             drafter_graphs=drafter_graphs,
+            graph_shapes=graph_shapes,
         )
         self.plan = planned.target
         self.draft_plan = planned.draft

@@ -206,13 +206,36 @@ def plan_capture(
     capture_sizes: list[int] | None = None,
     backend: str = "static",
     drafter_graphs: bool = True,
+    graph_shapes: str = "all",
 ) -> CapturePlan:
     """The graphs a ``backend`` capture records for ``facts``: :func:`plan_target`, then
     :func:`plan_draft` (unless ``drafter_graphs`` is off)."""
     check_backend(backend)
-    target = plan_target(facts, capture_sizes=capture_sizes, backend=backend)
-    draft = plan_draft(facts, target, backend=backend) if drafter_graphs else GraphPlan([], [], [])
+    target = plan_target(facts, capture_sizes=capture_sizes, backend=backend, graph_shapes=graph_shapes)
+    draft = (
+        plan_draft(facts, target, backend=backend, graph_shapes=graph_shapes)
+        if drafter_graphs
+        else GraphPlan([], [], [])
+    )
     return CapturePlan(backend, target, draft)
+
+
+#: which target graphs a plan makes (:func:`plan_target`): ``all`` (uniform decode for every
+#: request count, mixed at the capture sizes), ``sizes`` (both at the capture sizes only, a decode
+#: step padded to the next, as vLLM pads), ``decode`` (uniform decode at the capture sizes, mixed
+#: steps eager)
+GRAPH_SHAPES: tuple[str, ...] = ("all", "sizes", "decode")
+GRAPH_SHAPES_HELP = (
+    "all (a decode graph per request count, mixed graphs at the capture sizes), sizes (decode and "
+    "mixed graphs at the capture sizes only, a decode step padded to the next) or decode (decode "
+    "graphs at the capture sizes, mixed steps eager)"
+)
+
+
+def check_graph_shapes(mode: str) -> None:
+    """ConfigError naming ``mode`` unless it is one of :data:`GRAPH_SHAPES`."""
+    if mode not in GRAPH_SHAPES:
+        raise ConfigError(f"graph_shapes {mode!r} is not one of {', '.join(GRAPH_SHAPES)}: {GRAPH_SHAPES_HELP}")
 
 
 def _records_mamba(backend: str, groups: Iterable[KVCacheGroup]) -> bool:
@@ -232,37 +255,58 @@ def _uniform_fits(mamba: bool, q: int, phase: str, notes: list[str]) -> bool:
 
 
 def plan_target_graphs(
-    runner: ModelRunner, *, capture_sizes: list[int] | None = None, backend: str = "static"
+    runner: ModelRunner,
+    *,
+    capture_sizes: list[int] | None = None,
+    backend: str = "static",
+    graph_shapes: str = "all",
 ) -> GraphPlan:
     """:func:`plan_target` over ``runner``'s facts."""
-    return plan_target(CaptureFacts.of_runner(runner), capture_sizes=capture_sizes, backend=backend)
+    return plan_target(
+        CaptureFacts.of_runner(runner), capture_sizes=capture_sizes, backend=backend, graph_shapes=graph_shapes
+    )
 
 
 def plan_target(
-    facts: CaptureFacts, *, capture_sizes: list[int] | None = None, backend: str = "static"
+    facts: CaptureFacts,
+    *,
+    capture_sizes: list[int] | None = None,
+    backend: str = "static",
+    graph_shapes: str = "all",
 ) -> GraphPlan:
     """Uniform-decode FULL graphs for ``1..max_num_seqs`` requests of ``1 + k`` tokens, then mixed
     graphs on ``capture_sizes`` (default ladder), all bounded by the runner's token buffers.
-    ``backend`` is the capture backend: ``cuda`` leaves out what Mamba layers cannot record."""
+    ``backend`` is the capture backend: ``cuda`` leaves out what Mamba layers cannot record.
+    ``graph_shapes`` (:data:`GRAPH_SHAPES`): ``all`` gives every request count its decode graph
+    (no decode step padded); ``sizes`` only those whose token count is a capture size, a decode
+    step padded to the next (vLLM's way; fewer graphs to verify); ``decode`` those and no mixed
+    graphs."""
+    check_graph_shapes(graph_shapes)
     k = facts.num_speculative_tokens
     q = facts.uniform_decode_query_len
     max_reqs = facts.max_num_reqs
     max_tokens = facts.max_num_tokens
     notes: list[str] = []
     mamba = _records_mamba(backend, (g for g in facts.kv_groups if not g.is_drafter))
+    sizes = capture_sizes if capture_sizes is not None else default_capture_sizes(max_reqs, k)
     decode_sizes = uniform_decode_sizes(max_reqs, k) if _uniform_fits(mamba, q, "decode", notes) else []
+    if graph_shapes != "all":
+        at = set(sizes)
+        decode_sizes = [n for n in decode_sizes if n in at]
     specs = [
         GraphSpec("decode", BatchDescriptor(CUDAGraphMode.FULL, n, n // q, q), n // q)
         for n in decode_sizes
         if n <= max_tokens
     ]
-    sizes = capture_sizes if capture_sizes is not None else default_capture_sizes(max_reqs, k)
     kept = [s for s in sizes if s <= max_tokens]
     if len(kept) < len(sizes):
         notes.append(
             f"capture sizes above the runner's {max_tokens}-token buffers were dropped: "
             f"{[s for s in sizes if s > max_tokens]}"
         )
+    if graph_shapes == "decode":
+        notes.append("graph_shapes decode: mixed prefill/decode batches run eagerly")
+        return GraphPlan(specs, kept, notes)
     if not facts.full_graph:
         # NOTE: PIECEWISE capture (graphs between attention calls) needs the model split at every
         # attention call; without it mixed batches stay eager rather than pretend to be captured.
@@ -307,17 +351,24 @@ def _undrafted_decode_specs(facts: CaptureFacts, max_tokens: int, notes: list[st
     ]
 
 
-def plan_draft_graphs(runner: ModelRunner, target: GraphPlan, *, backend: str = "static") -> GraphPlan:
+def plan_draft_graphs(
+    runner: ModelRunner, target: GraphPlan, *, backend: str = "static", graph_shapes: str = "all"
+) -> GraphPlan:
     """:func:`plan_draft` over ``runner``'s facts."""
-    return plan_draft(CaptureFacts.of_runner(runner), target, backend=backend)
+    return plan_draft(CaptureFacts.of_runner(runner), target, backend=backend, graph_shapes=graph_shapes)
 
 
-def plan_draft(facts: CaptureFacts, target: GraphPlan, *, backend: str = "static") -> GraphPlan:
+def plan_draft(
+    facts: CaptureFacts, target: GraphPlan, *, backend: str = "static", graph_shapes: str = "all"
+) -> GraphPlan:
     """The drafter's graphs: ``draft_prefill`` (ragged, like a mixed batch) on the target's mixed
     capture sizes (a prefill after a decode step is ragged, so the uniform sizes would rarely fit
     exactly and only add graphs), and ``draft_decode`` FULL uniform graphs of the drafter's query length for
     ``1..max_num_seqs`` requests. Empty for drafters without graph shapes (ngram). ``backend`` as
-    for :func:`plan_target` (a draft LM with Mamba layers gets no draft prefills on ``cuda``)."""
+    for :func:`plan_target` (a draft LM with Mamba layers gets no draft prefills on ``cuda``);
+    ``graph_shapes`` too: other than ``all``, draft decodes only at the capture sizes, and with
+    ``decode`` no draft prefill (ragged, like a mixed batch)."""
+    check_graph_shapes(graph_shapes)
     if not facts.draft_shapes:
         return GraphPlan([], [], [])
     mamba = _records_mamba(backend, facts.draft_groups)
@@ -326,6 +377,8 @@ def plan_draft(facts: CaptureFacts, target: GraphPlan, *, backend: str = "static
     specs: list[GraphSpec] = []
     for shape in facts.draft_shapes:
         if shape.phase == DRAFT_PREFILL:
+            if graph_shapes == "decode":
+                continue
             if not facts.full_graph:
                 notes.append(
                     f"attention backend {facts.attention!r} cannot run inside a FULL graph: "
@@ -348,6 +401,6 @@ def plan_draft(facts: CaptureFacts, target: GraphPlan, *, backend: str = "static
             specs += [
                 GraphSpec(DRAFT_DECODE, BatchDescriptor(CUDAGraphMode.FULL, q * n, n, q), n)
                 for n in range(1, max_reqs + 1)
-                if q * n <= facts.max_num_tokens
+                if q * n <= facts.max_num_tokens and (graph_shapes == "all" or q * n in target.capture_sizes)
             ]
     return GraphPlan(specs, [], notes)

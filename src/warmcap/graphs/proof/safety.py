@@ -157,8 +157,11 @@ def _explained(capturer: GraphCapturer, spec: GraphSpec, safety: GraphSafety) ->
     if safety.safe:
         return safety
     runner = capturer.runner
-    cuda_target = plan_target_graphs(runner, capture_sizes=capturer.capture_sizes, backend="cuda")
-    cuda_specs = [*cuda_target.specs, *plan_draft_graphs(runner, cuda_target, backend="cuda").specs]
+    cuda_target = plan_target_graphs(
+        runner, capture_sizes=capturer.capture_sizes, backend="cuda", graph_shapes=capturer.graph_shapes
+    )
+    drafts = plan_draft_graphs(runner, cuda_target, backend="cuda", graph_shapes=capturer.graph_shapes)
+    cuda_specs = [*cuda_target.specs, *drafts.specs]
     if spec.label in {s.label for s in cuda_specs}:
         return safety
     return replace(safety, reason=f"{safety.reason}; the cuda plan runs this phase eagerly")
