@@ -116,3 +116,18 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     out = sampler(probs.log().expand(20000, -1), _meta(20000))
     freq = torch.bincount(out, minlength=3).float() / 20000
     assert torch.allclose(freq, probs, atol=0.02)
+
+
+def test_the_races_noise_is_exp1_and_follows_its_generator() -> None:
+    """The exponential race's noise (``sampler.exponential``): Exp(1) draws, every one > 0 (a zero
+    would divide a probability by nothing), the same stream for the same seed."""
+    import math
+
+    from warmcap.runner_v2.sampler import exponential
+
+    x = exponential(torch.empty(400_000), _gen(11))
+    assert bool((x > 0).all())
+    assert abs(x.mean().item() - 1.0) < 0.01 and abs(x.var().item() - 1.0) < 0.02
+    for t in (0.5, 2.0, 5.0):
+        assert abs((x > t).double().mean().item() - math.exp(-t)) < 0.004, t
+    assert torch.equal(exponential(torch.empty(64), _gen(5)), exponential(torch.empty(64), _gen(5)))
