@@ -145,7 +145,9 @@ def test_the_engine_with_the_offload_generates_tp1s_tokens(uneven, eager):
         assert seg.get(1, MAIL) > before
         if not eager:
             graphs = [
-                g for by_descriptor in llm.engine.runner.graphs._graphs.values() for g in by_descriptor.values()
+                g
+                for by_descriptor in llm.engine.runner.graphs._graphs.values()
+                for g in by_descriptor.values()
             ]
             assert graphs and all(g.program is not None for g in graphs), [g.not_recorded for g in graphs]
             assert sum(llm.engine.runner.graphs.replays.values()) > 0

@@ -75,7 +75,8 @@ def test_seeded_sampling_with_drafts_is_reproducible(spec: str) -> None:
     # each prompt under two seeds: four sampled continuations, so some repeat the motif and ngram drafts
     ps = prompts(TINY_VOCAB, (12, 20), seed=4, repetitive=True) * 2
     params = [
-        SamplingParams(temperature=0.3, top_p=0.9, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 2, 3, 4)
+        SamplingParams(temperature=0.3, top_p=0.9, seed=s, max_tokens=12, ignore_eos=True)
+        for s in (1, 2, 3, 4)
     ]
     runs = []
     for _ in range(2):

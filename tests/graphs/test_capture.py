@@ -46,7 +46,9 @@ def test_graph_shapes_at_the_capture_sizes_pad_decode_steps_and_verify(shapes) -
     from warmcap.graphs.capture.descriptors import BatchShape, Dispatcher
 
     rig = make_rig(k=1)
-    startup = capture_graphs(rig.runner, rig.manager, backend="static", capture_sizes=[1, 2, 8], graph_shapes=shapes)
+    startup = capture_graphs(
+        rig.runner, rig.manager, backend="static", capture_sizes=[1, 2, 8], graph_shapes=shapes
+    )
     keys = {g.spec.descriptor for g in startup.result.graphs}
     # k = 1: a decode row is 2 tokens, so 2 and 8 tokens are 1 and 4 requests (4 = 6 tokens has none)
     uniform = {BatchDescriptor(FULL, 2, 1, 2), BatchDescriptor(FULL, 8, 4, 2)}

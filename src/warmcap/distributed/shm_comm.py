@@ -42,7 +42,16 @@ import torch.distributed as dist
 from warmcap.config import TP_COMM_MODES, kernel_default
 from warmcap.distributed import shm_segment
 from warmcap.distributed.shm_ring import ShmRing
-from warmcap.distributed.shm_segment import MAIL, SEQ, SHM_DIR, TAKEN, Layout, PeerGoneError, Segment, host_key
+from warmcap.distributed.shm_segment import (
+    MAIL,
+    SEQ,
+    SHM_DIR,
+    TAKEN,
+    Layout,
+    PeerGoneError,
+    Segment,
+    host_key,
+)
 from warmcap.errors import ConfigError
 from warmcap.kernels.cpu.build import KernelBuildError, load_library
 from warmcap.kernels.cpu.policy import CpuOperator, c_call, host_sync
@@ -96,7 +105,10 @@ def _c_library() -> ctypes.CDLL | None:
         raise RuntimeError(f"shm_collective.c's segment layout {tuple(got)} is not shm_segment.py's {want}")
     fn = lib.warmcap_shm_all_reduce_f32
     fn.argtypes, fn.restype = _ALL_REDUCE_ARGS, ctypes.c_int64
-    lib.warmcap_shm_post.argtypes, lib.warmcap_shm_post.restype = [ctypes.c_void_p, *[ctypes.c_int64] * 2], None
+    lib.warmcap_shm_post.argtypes, lib.warmcap_shm_post.restype = (
+        [ctypes.c_void_p, *[ctypes.c_int64] * 2],
+        None,
+    )
     lib.warmcap_shm_fetch.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4]
     lib.warmcap_shm_fetch.restype = ctypes.c_int64
     return lib
@@ -174,7 +186,9 @@ def _fetch_fake(mail, words, rank, world, peer, timeout_ms):  # type: ignore[no-
 
 # The mailbox tensor is each call's argument (marked written) so that whatever orders operators by
 # their tensors keeps the copy into it before the post and the reads of it after the fetch.
-_POST = CpuOperator("shm_post_", "(Tensor(a!) mail, int words, int rank, int world) -> ()", _post_cpu, _post_fake)
+_POST = CpuOperator(
+    "shm_post_", "(Tensor(a!) mail, int words, int rank, int world) -> ()", _post_cpu, _post_fake
+)
 _FETCH = CpuOperator(
     "shm_fetch_",
     "(Tensor(a!) mail, int words, int rank, int world, int peer, int timeout_ms) -> ()",

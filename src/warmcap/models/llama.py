@@ -244,7 +244,11 @@ class LlamaAttention(nn.Module):
         d = self.head_dim
         if parallel_state().rank == offload.helper:
             group = self._helper_group()
-            ok = group is not None and group.runs_columns(0) and group.runs_columns(2 * offload.num_kv_heads * d)
+            ok = (
+                group is not None
+                and group.runs_columns(0)
+                and group.runs_columns(2 * offload.num_kv_heads * d)
+            )
         else:
             group = packed_group(self.q_proj, self.k_proj, self.v_proj)
             ok = group is not None and group.runs_columns(0) and (self.num_heads * d) % 16 == 0

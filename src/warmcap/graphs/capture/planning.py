@@ -235,7 +235,9 @@ GRAPH_SHAPES_HELP = (
 def check_graph_shapes(mode: str) -> None:
     """ConfigError naming ``mode`` unless it is one of :data:`GRAPH_SHAPES`."""
     if mode not in GRAPH_SHAPES:
-        raise ConfigError(f"graph_shapes {mode!r} is not one of {', '.join(GRAPH_SHAPES)}: {GRAPH_SHAPES_HELP}")
+        raise ConfigError(
+            f"graph_shapes {mode!r} is not one of {', '.join(GRAPH_SHAPES)}: {GRAPH_SHAPES_HELP}"
+        )
 
 
 def _records_mamba(backend: str, groups: Iterable[KVCacheGroup]) -> bool:
@@ -263,7 +265,10 @@ def plan_target_graphs(
 ) -> GraphPlan:
     """:func:`plan_target` over ``runner``'s facts."""
     return plan_target(
-        CaptureFacts.of_runner(runner), capture_sizes=capture_sizes, backend=backend, graph_shapes=graph_shapes
+        CaptureFacts.of_runner(runner),
+        capture_sizes=capture_sizes,
+        backend=backend,
+        graph_shapes=graph_shapes,
     )
 
 

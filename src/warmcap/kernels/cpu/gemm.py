@@ -224,7 +224,9 @@ class Gemm:
             return None
         return _GEMM(x, weight.blocks, weight.bias, weight.out_features)
 
-    def linear_columns(self, x: torch.Tensor, weight: BlockedWeight, start: int, count: int) -> torch.Tensor | None:
+    def linear_columns(
+        self, x: torch.Tensor, weight: BlockedWeight, start: int, count: int
+    ) -> torch.Tensor | None:
         """Output features ``[start, start + count)`` of :meth:`linear` alone (``start`` a whole
         number of column blocks), their bits in the whole product; None as there, or when ``start``
         is not on a block."""
