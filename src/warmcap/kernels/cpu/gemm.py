@@ -234,7 +234,7 @@ class Gemm:
             return None
         if not self._takes(x, weight):
             return None
-        first, last = start // BLOCK, (start + count + BLOCK - 1) // BLOCK
+        first, last = start // BLOCK, padded(start + count) // BLOCK
         bias = None if weight.bias is None else weight.bias[start:]
         return _GEMM(x, weight.blocks[first:last], bias, count)
 
