@@ -120,17 +120,27 @@ def test_a_stream_sends_the_text_before_a_stop_string_exactly() -> None:
         scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128),
     )
     engine = LLMEngine(config, startup_hooks=[])
-    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=60, ignore_eos=True)
-    [ref] = engine.generate(["x"], [sampled])
-    whole = engine.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
-    wide = [i for i, c in enumerate(whole) if ord(c) > 127 and c != "\ufffd"]
-    assert wide, whole  # the seeded random model writes some multi-byte characters
-    stops = [whole[wide[0]], whole[wide[-1] - 1 : wide[-1] + 1], whole[len(whole) // 2 : len(whole) // 2 + 3]]
+
+    def case(seed: int) -> tuple[str, list[str]] | None:
+        """The seed's whole text and three stops in it (a multi-byte character, one with the
+        character before it, three characters mid-text), or None when a stop would hold U+FFFD."""
+        sampled = SamplingParams(temperature=1.0, seed=seed, max_tokens=60, ignore_eos=True)
+        [ref] = engine.generate(["x"], [sampled])
+        whole = engine.tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+        wide = [i for i, c in enumerate(whole) if ord(c) > 127 and c != "\ufffd"]
+        if not wide:
+            return None
+        mid = len(whole) // 2
+        stops = [whole[wide[0]], whole[wide[-1] - 1 : wide[-1] + 1], whole[mid : mid + 3]]
+        return None if any("\ufffd" in stop for stop in stops) else (whole, stops)
+
+    # the first seed whose random text holds such stops (the seeded random model writes
+    # multi-byte characters, and sometimes a token that leaves one unfinished)
+    seed, (whole, stops) = next((s, c) for s in range(3, 60) if (c := case(s)) is not None)
     for stop, include in zip(stops, [False, True, False], strict=True):
-        assert "\ufffd" not in stop
         params = SamplingParams(
             temperature=1.0,
-            seed=3,
+            seed=seed,
             max_tokens=60,
             ignore_eos=True,
             stop=(stop,),
