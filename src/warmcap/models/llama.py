@@ -251,7 +251,7 @@ class LlamaAttention(nn.Module):
             )
         else:
             group = packed_group(self.q_proj, self.k_proj, self.v_proj)
-            ok = group is not None and group.runs_columns(0) and (self.num_heads * d) % 16 == 0
+            ok = group is not None and group.runs_columns(0) and group.runs_columns(self.num_heads * d)
         self.kv_offload_on = bool(ok) and self.q_norm is None
         return self.kv_offload_on
 
