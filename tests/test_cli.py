@@ -58,6 +58,11 @@ def test_plan_table_names_every_step_and_the_blocks():
         (["--spec", "dflash:7", "--num-blocks", "2", "--block-size", "8"], "Raise --num-blocks to at least"),
         (["--block-size", "12"], "power of two"),
         (["--model", "/nonexistent/model"], "neither a preset nor a directory"),
+        (
+            ["--max-prefill-tokens-with-decodes", "32", "--no-enable-chunked-prefill"],
+            "max_prefill_tokens_with_decodes=32 needs chunked prefill",
+        ),
+        (["--max-prefill-tokens-with-decodes", "-3"], "or 0 for no cap; got -3"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(args, needle):

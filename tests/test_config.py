@@ -75,6 +75,14 @@ def test_power_of_two_block_sizes_are_accepted(block_size):
         (lambda: SchedulerConfig(max_model_len=0), "max_model_len must be >= 1; got 0"),
         (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs must be >= 1; got 0"),
         (lambda: SchedulerConfig(max_num_batched_tokens=-1), "got -1"),
+        (
+            lambda: SchedulerConfig(max_prefill_tokens_with_decodes=-1),
+            "max_prefill_tokens_with_decodes must be a token count >= 1, or 0 for no cap; got -1",
+        ),
+        (
+            lambda: SchedulerConfig(max_prefill_tokens_with_decodes=256, enable_chunked_prefill=False),
+            "max_prefill_tokens_with_decodes=256 needs chunked prefill.*enable chunked prefill",
+        ),
         (lambda: CacheConfig(num_blocks=1), "at least 2.*got 1"),
         (lambda: CacheConfig(memory_fraction=1.5), "got 1.5"),
         (lambda: CacheConfig(mamba_cache_mode="some"), "'some' is unknown"),

@@ -47,12 +47,17 @@ def _hf_reference(path, prompts: list[list[int]]) -> tuple[list[list[int]], list
     return tokens, logits
 
 
-def _engine(name: str, *, num_blocks: int = 256, max_tokens_per_step: int = 24) -> LLMEngine:
+def _engine(
+    name: str, *, num_blocks: int = 256, max_tokens_per_step: int = 24, prefill_cap: int | None = None
+) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model=name, dtype="float32", device="cpu"),
         cache=CacheConfig(block_size=16, num_blocks=num_blocks),
         scheduler=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=max_tokens_per_step, max_model_len=128
+            max_num_seqs=4,
+            max_num_batched_tokens=max_tokens_per_step,
+            max_model_len=128,
+            max_prefill_tokens_with_decodes=prefill_cap,
         ),
     )
     return LLMEngine(config)
@@ -103,6 +108,35 @@ def test_greedy_and_logits_match_transformers(name: str) -> None:
         assert out.token_ids == expected[i][: len(out.token_ids)], f"prompt {i}"
         assert out.finish_reason == "length"
         torch.testing.assert_close(logits[i], expected_logits[i], atol=1e-4, rtol=1e-4)
+    assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_blocks - 1
+
+
+@pytest.mark.slow
+def test_a_prompt_cap_beside_decodes_changes_the_steps_not_the_tokens() -> None:
+    engine = _engine("tiny-llama", prefill_cap=5)
+    prompts = _prompts(engine.model.hf_config.vocab_size)
+    expected, expected_logits = _hf_reference(engine.model_path, prompts)
+    steps: list[tuple[int, int]] = []  # (prompt tokens, decode rows) of every step
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        requests = engine.scheduler.requests
+        decoding = [
+            d for d in out.scheduled_cached_reqs if d.num_computed_tokens >= requests[d.req_id].num_tokens - 1
+        ]
+        steps.append((out.total_num_scheduled_tokens - len(decoding), len(decoding)))
+        return out
+
+    engine.scheduler.schedule = recording
+    done, logits = _run_staggered(engine, prompts)
+    for i, out in done.items():
+        assert out.token_ids == expected[i][: len(out.token_ids)], f"prompt {i}"
+        torch.testing.assert_close(logits[i], expected_logits[i], atol=1e-4, rtol=1e-4)
+    # The late prompts joined two decodes five tokens a step; the first two shared the budget.
+    assert steps[0] == (sum(len(p) for p in prompts[:2]), 0)
+    beside = [p for p, d in steps if d and p]
+    assert beside and max(beside) == 5
     assert engine.kv_cache_manager.pool.num_free_blocks == engine.num_blocks - 1
 
 

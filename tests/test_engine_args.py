@@ -33,6 +33,7 @@ EXAMPLES: dict[str, Any] = {
     "mamba_cache_mode": "all",
     "max_num_seqs": 3,
     "max_num_batched_tokens": 96,
+    "max_prefill_tokens_with_decodes": 64,
     "max_model_len": 192,
     "enable_chunked_prefill": False,
     "async_scheduling": True,
@@ -184,6 +185,24 @@ def test_serve_by_default_takes_vllms_server_limits_for_the_device_and_graphs_on
     given = capture_config("serve", "--device", "cpu", "--max-num-batched-tokens", "64", "--capture-graphs")
     # never more sequences than tokens a step (as vLLM), and graphs when asked
     assert given.scheduler.max_num_seqs == 64 and not given.model.enforce_eager
+
+
+def test_serve_on_cpu_caps_prompt_tokens_beside_decodes_unless_told(capture_config) -> None:
+    cap = engine_args.SERVING_PREFILL_WITH_DECODES_CPU
+    assert capture_config("serve", "--device", "cpu").scheduler.max_prefill_tokens_with_decodes == cap
+    # per rank, like the step budget
+    tp2 = capture_config("serve", "--device", "cpu", "--tensor-parallel-size", "2")
+    assert tp2.scheduler.max_prefill_tokens_with_decodes == 2 * cap
+    assert tp2.scheduler.max_num_batched_tokens == 2 * 2048
+    # 0 turns it off; a value given is kept; without chunked prefill there is none to refuse
+    off = capture_config("serve", "--device", "cpu", "--max-prefill-tokens-with-decodes", "0")
+    assert off.scheduler.max_prefill_tokens_with_decodes is None
+    given = capture_config("serve", "--device", "cpu", "--max-prefill-tokens-with-decodes", "128")
+    assert given.scheduler.max_prefill_tokens_with_decodes == 128
+    whole = capture_config("serve", "--device", "cpu", "--no-enable-chunked-prefill")
+    assert whole.scheduler.max_prefill_tokens_with_decodes is None
+    # LLM keeps the config's own default: no cap
+    assert build_config(MODEL, device="cpu").scheduler.max_prefill_tokens_with_decodes is None
 
 
 @pytest.mark.parametrize(

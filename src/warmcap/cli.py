@@ -251,8 +251,10 @@ def plan(
 def serving_engine_values(engine: dict[str, Any]) -> dict[str, Any]:
     """``engine`` with the batch limits left unset filled as ``warmup serve`` fills them: vLLM's
     OpenAI-server defaults for the device (``engine_args.serving_batch_defaults``), and never more
-    sequences than tokens a step."""
-    from warmcap.engine_args import serving_batch_defaults
+    sequences than tokens a step; on CPU with chunked prefill, the prompt allowance beside decodes
+    (``engine_args.SERVING_PREFILL_WITH_DECODES_CPU``, per rank)."""
+    from warmcap.assembly import resolve_device
+    from warmcap.engine_args import SERVING_PREFILL_WITH_DECODES_CPU, serving_batch_defaults
 
     seqs, tokens = serving_batch_defaults(engine["device"], engine["tensor_parallel_size"])
     out = dict(engine)
@@ -260,6 +262,14 @@ def serving_engine_values(engine: dict[str, Any]) -> dict[str, Any]:
         out["max_num_batched_tokens"] = tokens
     if out.get("max_num_seqs") is None:
         out["max_num_seqs"] = min(seqs, out["max_num_batched_tokens"])
+    if (
+        out.get("max_prefill_tokens_with_decodes") is None
+        and out.get("enable_chunked_prefill", True)
+        and resolve_device(engine["device"]).type != "cuda"
+    ):
+        out["max_prefill_tokens_with_decodes"] = (
+            SERVING_PREFILL_WITH_DECODES_CPU * engine["tensor_parallel_size"]
+        )
     return out
 
 
@@ -632,7 +642,8 @@ def serve(
     """OpenAI-compatible server (completions, chat, /metrics), ready only once start-up is audited clean.
 
     Sized for serving by default, as vLLM's OpenAI server: the model's context, and on CPU 128
-    sequences, 2048 tokens a step and a 4 GiB KV space (--kv-cache-space; on CUDA 256 or 1024
+    sequences, 2048 tokens a step (at most 512 of them prompt tokens while requests decode:
+    --max-prefill-tokens-with-decodes) and a 4 GiB KV space (--kv-cache-space; on CUDA 256 or 1024
     sequences by device memory and --gpu-memory-utilization). `warmup plan --serve` prints its warmup.
     Exits 2 when the model or options given are unusable (as every command does), 1 when start-up
     finds a stray KV write, graphs that do not replay like eager, or fails otherwise; 0 after

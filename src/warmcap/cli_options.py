@@ -79,6 +79,7 @@ SERVE = CommandDefaults(
     help_notes={
         "max_num_seqs": " Default: vLLM's server default for the device (128 on CPU).",
         "max_num_batched_tokens": " Default: vLLM's server default for the device (2048 on CPU).",
+        "max_prefill_tokens_with_decodes": " Default: 512 on CPU (with chunked prefill), none on CUDA.",
         "enforce_eager": " Default: graphs; on CPU only those a static graph records (up to 32 tokens: "
         "decode graphs at the capture ladder 1, 2, 4, 8, 16, 24, 32, decode steps padded to it: "
         "--graph-shapes decode), larger and mixed batches eager.",

@@ -127,6 +127,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    #: the most prompt tokens (new prompts, chunks and recomputed ones) a step computes while it
+    #: also decodes (``core/scheduler.py``), so a burst of prompts cannot stall the running decodes
+    #: for a whole budget's forward; a step with nothing decoding keeps the whole budget. None or 0:
+    #: no cap (the whole ``max_num_batched_tokens``; 0 is kept as None). ``warmup serve`` on CPU
+    #: sets it (``engine_args.SERVING_PREFILL_WITH_DECODES_CPU``).
+    max_prefill_tokens_with_decodes: int | None = None
     #: one step in flight (``core/scheduler.py``, ``engine.py``): the next step is scheduled while
     #: this one runs. None (auto): on where it helps (a CUDA device, one rank, no P/D, no Mamba
     #: state), off elsewhere; True: required (refused where unsupported); False: off.
@@ -141,6 +147,19 @@ class SchedulerConfig:
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1; got {self.max_model_len}",
+        )
+        cap = self.max_prefill_tokens_with_decodes
+        _require(
+            cap is None or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0),
+            f"max_prefill_tokens_with_decodes must be a token count >= 1, or 0 for no cap; got {cap!r}",
+        )
+        if cap == 0:
+            object.__setattr__(self, "max_prefill_tokens_with_decodes", None)
+        _require(
+            self.max_prefill_tokens_with_decodes is None or self.enable_chunked_prefill,
+            f"max_prefill_tokens_with_decodes={self.max_prefill_tokens_with_decodes} needs chunked "
+            "prefill (a prompt longer than the cap would wait until nothing decodes): enable chunked "
+            "prefill or leave the cap unset",
         )
 
 
@@ -545,6 +564,26 @@ class EngineConfig:
         )
 
 
+#: which target graphs a plan makes (``graphs/capture/planning.py:plan_target``): ``all`` (uniform
+#: decode for every request count, mixed at the capture sizes), ``sizes`` (both at the capture sizes
+#: only, a decode step padded to the next, as vLLM pads), ``decode`` (uniform decode at the capture
+#: sizes, mixed steps eager)
+GRAPH_SHAPES: tuple[str, ...] = ("all", "sizes", "decode")
+GRAPH_SHAPES_HELP = (
+    "all (a decode graph per request count, mixed graphs at the capture sizes), sizes (decode and "
+    "mixed graphs at the capture sizes only, a decode step padded to the next) or decode (decode "
+    "graphs at the capture sizes, mixed steps eager)"
+)
+
+
+def check_graph_shapes(mode: str | None) -> None:
+    """ConfigError naming ``mode`` unless it is one of :data:`GRAPH_SHAPES` (None: the default)."""
+    _require(
+        mode is None or mode in GRAPH_SHAPES,
+        f"graph_shapes {mode!r} is not one of {', '.join(GRAPH_SHAPES)}: {GRAPH_SHAPES_HELP}",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StartupOptions:
     """How start-up proves an engine before its first request: one record with one set of defaults,
@@ -586,12 +625,7 @@ class StartupOptions:
                 f"capture_sizes {self.capture_sizes!r} must be token counts >= 1, e.g. (1, 2, 4, 8)",
             )
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
-        _require(
-            self.graph_shapes in (None, "all", "sizes", "decode"),
-            f"graph_shapes {self.graph_shapes!r} is not one of all, sizes, decode: all (a decode graph "
-            "per request count), sizes (decode and mixed graphs at the capture sizes) or decode "
-            "(decode graphs at the capture sizes only)",
-        )
+        check_graph_shapes(self.graph_shapes)
         for name in ("audit", "audit_serving", "startup_cache", "record_cpu_graphs"):
             _require(
                 isinstance(getattr(self, name), bool),

@@ -178,6 +178,15 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         int | None,
     ),
     EngineArg(
+        "max_prefill_tokens_with_decodes",
+        "scheduler",
+        "max_prefill_tokens_with_decodes",
+        "Most prompt tokens a step computes while requests decode, so a burst of prompts cannot stall "
+        "their next tokens for a whole budget's prefill (a step with nothing decoding keeps the whole "
+        "budget; needs chunked prefill); 0 or unset: no cap.",
+        int | None,
+    ),
+    EngineArg(
         "max_model_len",
         "scheduler",
         "max_model_len",
@@ -378,6 +387,10 @@ SERVING_BATCH_CPU = (128, 2048)
 SERVING_BATCH_GPU = (256, 2048)
 SERVING_BATCH_BIG_GPU = (1024, 8192)
 _BIG_GPU_BYTES = 70 << 30
+#: ``warmup serve``'s prompt allowance beside decodes on CPU (``max_prefill_tokens_with_decodes``),
+#: where a 2048-token step is seconds of forward; per rank, like the budget. CUDA keeps none (a
+#: whole budget's prefill there is milliseconds). Measured in BENCHMARKS.md ("the prompt allowance").
+SERVING_PREFILL_WITH_DECODES_CPU = 512
 
 
 def serving_batch_defaults(device: str = "auto", tensor_parallel_size: int = 1) -> tuple[int, int]:

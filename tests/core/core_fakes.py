@@ -64,6 +64,7 @@ def make_scheduler(
     groups: list[KVCacheGroup] | None = None,
     eos_token_id: int | None = None,
     async_scheduling: bool = False,
+    max_prefill_tokens_with_decodes: int | None = None,
 ) -> Scheduler:
     config = EngineConfig(
         cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_caching),
@@ -73,6 +74,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked_prefill,
             async_scheduling=async_scheduling,
+            max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
         ),
         speculative=SpeculativeConfig.parse(spec),
         kv_role=kv_role,

@@ -50,6 +50,26 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_budget():
     assert chunks == [32, 32, 6]
 
 
+def test_prompt_tokens_beside_decodes_stay_within_the_cap_and_a_burst_alone_takes_the_budget():
+    sched = make_scheduler(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=16)
+    # Nothing decodes yet: two prompts share the whole 64-token budget.
+    sched.add_request(make_request("a", list(range(40)), max_tokens=20))
+    sched.add_request(make_request("b", list(range(100, 130)), max_tokens=20))
+    out, _ = step(sched, {"a": [1]})
+    assert out.num_scheduled_tokens == {"a": 40, "b": 24}
+    # a decodes now: b's last 6 prompt tokens and c's first 10 fill the 16-token allowance.
+    sched.add_request(make_request("c", list(range(200, 240)), max_tokens=20))
+    sched.add_request(make_request("d", list(range(300, 310)), max_tokens=20))
+    out, _ = step(sched, {"a": [2], "b": [3]})
+    assert out.num_scheduled_tokens == {"a": 1, "b": 6, "c": 10}
+    # b decodes too; c's running chunk takes the whole allowance, so d (waiting) gets none.
+    out, _ = step(sched, {"a": [4], "b": [5]})
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 16}
+    out, _ = step(sched, {"a": [6], "b": [7], "c": [8]})
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 14, "d": 2}
+    assert [r.request_id for r in sched.waiting] == []
+
+
 def test_without_chunking_a_prompt_waits_for_room():
     sched = make_scheduler(max_num_batched_tokens=32, chunked_prefill=False)
     with pytest.raises(ConfigError, match="40-token prompt exceeds max_num_batched_tokens 32"):

@@ -31,6 +31,7 @@ SPECS = st.sampled_from([None, "ngram:2", "eagle:1", "eagle3:3", "mtp:2", "draft
     caching=st.booleans(),
     extra_group=st.sampled_from([None, "sliding", "mamba"]),
     num_requests=st.integers(1, 12),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 64)),
 )
 def test_limits_hold_and_every_request_ends(
     spec,
@@ -44,8 +45,11 @@ def test_limits_hold_and_every_request_ends(
     caching,
     extra_group,
     num_requests,
+    prefill_cap,
 ):
     rng = random.Random(seed)
+    if not chunked:
+        prefill_cap = None  # refused without chunked prefill (tests/test_config.py)
     groups = [KVCacheGroup("full", FullAttentionSpec(block_size=block_size))]
     if extra_group == "sliding":
         groups.append(
@@ -77,6 +81,7 @@ def test_limits_hold_and_every_request_ends(
         enable_caching=None if caching else False,
         groups=groups,
         eos_token_id=0,
+        max_prefill_tokens_with_decodes=prefill_cap,
     )
     runner = FakeRunner(rng, sched.num_spec_tokens)
     shared = [rng.randrange(VOCAB) for _ in range(20)]
@@ -109,6 +114,21 @@ def test_limits_hold_and_every_request_ends(
         start = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
         start.update({d.req_id: d.num_computed_tokens for d in out.scheduled_cached_reqs})
         assert start.keys() == out.num_scheduled_tokens.keys()
+        # The prompt allowance: beside a decode, new and resumed requests and running prompt chunks
+        # compute at most the cap together.
+        fresh = {d.req_id for d in out.scheduled_new_reqs}
+        prompt_tokens = sum(
+            n
+            for r, n in out.num_scheduled_tokens.items()
+            if r in fresh or start[r] < sched.requests[r].num_tokens - 1
+        )
+        if (
+            prefill_cap is not None
+            and len(fresh) < out.num_reqs
+            and prompt_tokens < out.total_num_scheduled_tokens
+        ):
+            event("prompt tokens beside decodes")
+            assert prompt_tokens <= prefill_cap
         for req_id, n in out.num_scheduled_tokens.items():
             req = sched.requests[req_id]
             assert start[req_id] + n <= max_model_len

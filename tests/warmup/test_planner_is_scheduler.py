@@ -39,7 +39,14 @@ from warmcap.warmup.planner import _DoesNotFit, _Entry, _Simulator, plan_warmup
 
 
 def _config(
-    *, k: int, block_size: int, max_model_len: int, seqs: int, budget: int, chunked: bool
+    *,
+    k: int,
+    block_size: int,
+    max_model_len: int,
+    seqs: int,
+    budget: int,
+    chunked: bool,
+    prefill_cap: int | None = None,
 ) -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(block_size=block_size, enable_prefix_caching=False),
@@ -48,6 +55,7 @@ def _config(
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
+            max_prefill_tokens_with_decodes=prefill_cap,
         ),
         speculative=SpeculativeConfig.parse(f"eagle:{k}" if k else None),
     )
@@ -85,6 +93,8 @@ def streams(draw):
         seqs=draw(st.integers(1, 4)),
         budget=budget,
         chunked=chunked,
+        # the prompt allowance beside decodes (needs chunked prefill)
+        prefill_cap=draw(st.one_of(st.none(), st.integers(1, budget))) if chunked else None,
     )
     longest = max_model_len - 1 if chunked else min(max_model_len - 1, budget)
     # Long max_tokens run requests into max_model_len, where the length cap cuts their drafts.
@@ -293,27 +303,35 @@ def _groups(kinds: tuple[str, ...], bs: int, k: int) -> list[KVCacheGroup]:
 
 
 @pytest.mark.parametrize(
-    ("spec", "kinds", "bs", "mml", "seqs", "budget", "num_blocks"),
+    ("spec", "kinds", "bs", "mml", "seqs", "budget", "num_blocks", "cap"),
     [
-        (None, (), 16, 512, 4, 512, 256),
-        ("eagle:2", (), 16, 512, 4, 512, 256),
-        ("ngram:3", ("swa",), 8, 256, 3, 32, 128),
-        ("mtp:1", ("mla",), 16, 512, 4, 512, 256),
-        ("eagle:3", ("mamba",), 8, 256, 4, 64, 256),
+        (None, (), 16, 512, 4, 512, 256, None),
+        ("eagle:2", (), 16, 512, 4, 512, 256, None),
+        ("ngram:3", ("swa",), 8, 256, 3, 32, 128, None),
+        ("mtp:1", ("mla",), 16, 512, 4, 512, 256, None),
+        ("eagle:3", ("mamba",), 8, 256, 4, 64, 256, None),
         # The boundary request reaches max_model_len and finishes: its seat and blocks go to the
         # prompt that joins the running decodes, as the scheduler hands them out.
-        ("ngram:1", ("swa",), 16, 18, 2, 16, 29),
+        ("ngram:1", ("swa",), 16, 18, 2, 16, 29, None),
+        # A prompt allowance below the joining prompt: it joins with its first chunk.
+        ("eagle:3", (), 16, 512, 4, 512, 256, 2),
+        ("mtp:1", ("mla",), 16, 512, 4, 512, 256, 1),
     ],
 )
 def test_the_mixed_step_is_the_scheduler_mixed_step_row_for_row(
-    spec, kinds, bs, mml, seqs, budget, num_blocks
+    spec, kinds, bs, mml, seqs, budget, num_blocks, cap
 ):
     """Warmup captures and audits the mixed layout serving emits: the running decodes first, in
     the order they were admitted, with their drafts, then the prompt that joins them; each row at
     the scheduler's position with the scheduler's blocks."""
     cfg = EngineConfig(
         cache=CacheConfig(block_size=bs, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=mml),
+        scheduler=SchedulerConfig(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=mml,
+            max_prefill_tokens_with_decodes=cap,
+        ),
         speculative=SpeculativeConfig.parse(spec),
     )
     groups = _groups(kinds, bs, cfg.num_speculative_tokens)
@@ -328,6 +346,8 @@ def test_the_mixed_step_is_the_scheduler_mixed_step_row_for_row(
         assert ids[:-1] == sorted(ids[:-1], key=order.index), step.name
         k = cfg.num_speculative_tokens
         assert all(r.num_spec_tokens == k and r.num_computed_tokens for r in step.requests[:-1])
+        joined = step.requests[-1].num_scheduled_tokens
+        assert joined == (1 + cfg.uniform_decode_query_len if cap is None else cap), step.name
     assert {s.name for s in mixed} <= set(_assert_served_row_for_row(cfg, groups, num_blocks, plan))
 
 

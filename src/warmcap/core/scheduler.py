@@ -8,7 +8,9 @@ request from its loaded tokens, with the normal lookahead (``core/step_rules.py`
 
 Each step: running requests first (decodes, verify steps and unfinished prompts, oldest first),
 then waiting requests in arrival order while the token budget, the sequence limit and the pool
-allow. Each is admitted, allocated and recorded by ``core/step_builder.py``, which the warmup
+allow. While any running request decodes, the step's prompt tokens (chunks of running prompts and
+waiting requests alike) stay within ``SchedulerConfig.max_prefill_tokens_with_decodes``, so the
+decodes never wait a whole budget's prefill for their next token. Each is admitted, allocated and recorded by ``core/step_builder.py``, which the warmup
 planner builds its steps with too; the scheduler picks the requests and preempts. ``num_computed_tokens`` advances when a step is scheduled and rolls back by the rejected
 draft count when its results come in.
 
@@ -162,35 +164,50 @@ class Scheduler:
         """Pick this step's requests and tokens, allocating their blocks by the one rule."""
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        prompt_left = self.builder.prompt_allowance(self.running)
+        budget, prompt_left = self._schedule_running(out, budget, prompt_left)
         if not out.preempted_req_ids:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, min(budget, prompt_left))
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prompt_left: int) -> tuple[int, int]:
+        """Schedule the running requests in order within ``budget`` tokens, the prompt chunks among
+        them within ``prompt_left`` too (the step's prompt allowance); returns what is left of both.
+        A chunk that finds the allowance spent waits for the next step; its blocks stay."""
         add = self.builder.add_running
         running = self.running
         asynchronous = self.async_scheduling
+        capped = prompt_left < budget
         index = 0
         while index < len(running) and budget > 0:
             req = running[index]
             if asynchronous and not self._async_ready(req):
                 index += 1
                 continue
-            num_new = add(out, req, budget)
+            limit = budget
+            prompt = capped and req.num_computed_tokens < req.num_tokens - 1
+            if prompt:
+                if prompt_left <= 0:
+                    index += 1
+                    continue
+                limit = min(budget, prompt_left)
+            num_new = add(out, req, limit)
             while num_new is None:
                 victim = running.pop()
                 self._preempt(victim, out)
                 if victim is req:
-                    return budget
-                num_new = add(out, req, budget)
+                    return budget, prompt_left
+                num_new = add(out, req, limit)
             budget -= num_new
+            if prompt:
+                prompt_left -= num_new
             index += 1
             if asynchronous:
                 self._hold_placeholders(req, out)
-        return budget
+        return budget, prompt_left
 
     def _async_ready(self, req: Request) -> bool:
         """Whether a running request may run another step before its results in flight are in

@@ -10,6 +10,10 @@ exactly a step the scheduler would build for the same requests. The builder owns
   ``max_model_len - 1``, so even the bonus token of a fully accepted verify step leaves the
   request at most ``max_model_len`` long. Without chunked prefill a prompt that does not fit the
   budget waits for a step with room.
+- **the prompt allowance**: while any request decodes, the prompt tokens of a step (new prompts,
+  their chunks, recomputed ones) are capped at ``max_prefill_tokens_with_decodes``
+  (:meth:`StepBuilder.prompt_allowance`), so a burst of prompts cannot hold the decodes beside it
+  for a whole budget's forward; a step with nothing decoding keeps the whole budget.
 - **allocation**: the request's blocks grown by the one rule with the step's lookahead
   (``KVCacheManager``, ``core/reservation.py``).
 - **the records**: ``NewRequestData`` / ``CachedRequestData``, scheduled tokens, lookahead and the
@@ -27,6 +31,8 @@ from warmcap.core.outputs import CachedRequestData, NewRequestData, SchedulerOut
 from warmcap.core.step_rules import step_lookahead
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from warmcap.config import EngineConfig
     from warmcap.core.kv_cache_manager import KVCacheManager
     from warmcap.core.request import Request
@@ -47,6 +53,7 @@ class StepBuilder:
         "max_model_len",
         "max_num_batched_tokens",
         "max_num_seqs",
+        "max_prefill_tokens_with_decodes",
         "num_lookahead_tokens",
         "reserved_lookahead",
     )
@@ -60,6 +67,11 @@ class StepBuilder:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        cap = config.scheduler.max_prefill_tokens_with_decodes
+        #: None when the cap never binds (unset, or not below the budget)
+        self.max_prefill_tokens_with_decodes = (
+            cap if cap is not None and cap < self.max_num_batched_tokens else None
+        )
         #: what every locally computed request's drafter may write past its tokens (step_rules.py)
         self.num_lookahead_tokens = step_lookahead(config)
         self.reserved_lookahead = (
@@ -69,6 +81,17 @@ class StepBuilder:
     def has_seat(self, num_running: int, budget: int) -> bool:
         """Whether a request may join ``num_running`` others with ``budget`` tokens left."""
         return budget > 0 and num_running < self.max_num_seqs
+
+    def prompt_allowance(self, scheduled: Iterable[Request]) -> int:
+        """Prompt tokens a step may compute beside the already running requests ``scheduled``:
+        ``max_prefill_tokens_with_decodes`` when one of them decodes (every known token but the
+        last computed), else the whole budget."""
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None:
+            for req in scheduled:
+                if req.num_computed_tokens >= req.num_tokens - 1:
+                    return cap
+        return self.max_num_batched_tokens
 
     def room(self, request: Request) -> int:
         """Tokens the request may still schedule before the length cap."""

@@ -112,6 +112,8 @@ class _Simulator:
         decided there, never here)."""
         builder = self.builder
         budget = builder.max_num_batched_tokens
+        # The scheduler's prompt allowance over the requests already running in this step.
+        prompt_left = builder.prompt_allowance(e.request for e in entries if not e.is_new)
         out = SchedulerOutput(finished_req_ids=self._finished)
         self._finished = set()
         planned: list[PlannedRequest] = []
@@ -119,14 +121,16 @@ class _Simulator:
             req = e.request
             c = req.num_computed_tokens
             before = self.manager.num_held_blocks(req.request_id)
+            prompt = e.is_new or c < req.num_tokens - 1
+            limit = min(budget, prompt_left) if prompt else budget
             if e.is_new:
-                if not builder.has_seat(len(self.running), budget):
+                if not builder.has_seat(len(self.running), limit):
                     raise _DoesNotFit(
                         f"{name}: {req.request_id} finds no seat ({len(self.running)} running of "
                         f"max_num_seqs={builder.max_num_seqs}, {budget} tokens left of "
                         f"max_num_batched_tokens={builder.max_num_batched_tokens})"
                     )
-                got = builder.add_waiting(out, req, budget)
+                got = builder.add_waiting(out, req, limit)
             else:
                 if req.request_id not in self.running:
                     raise _DoesNotFit(
@@ -134,13 +138,13 @@ class _Simulator:
                         f"{self.max_model_len}; another step would pass max_model_len"
                     )
                 req.spec_token_ids = [1 + (i % 89) for i in range(e.num_spec)]
-                got = builder.add_running(out, req, budget)
+                got = builder.add_running(out, req, limit)
             if got is None:
                 raise _DoesNotFit(f"{name}: the pool has no room for {req.request_id}")
             if not got and e.is_new:
                 raise _DoesNotFit(
                     f"{name}: {req.request_id} cannot start: the pool has no room, or its prompt does "
-                    f"not fit the {budget} tokens left and chunked prefill is off"
+                    f"not fit the {limit} tokens left and chunked prefill is off"
                 )
             if got > e.num_new_tokens:
                 raise RuntimeError(
@@ -152,10 +156,16 @@ class _Simulator:
                     f"{name}: {e.num_new_tokens} tokens of {req.request_id} exceed the {budget} left of "
                     f"max_num_batched_tokens={builder.max_num_batched_tokens}"
                     if got == budget
+                    else f"{name}: {e.num_new_tokens} prompt tokens of {req.request_id} exceed the "
+                    f"{limit} left of max_prefill_tokens_with_decodes="
+                    f"{builder.max_prefill_tokens_with_decodes} (requests decode in this step)"
+                    if got == limit
                     else f"{name}: {req.request_id} would pass max_model_len={self.max_model_len} "
                     f"({c} computed + {e.num_new_tokens} scheduled; a step ends by max_model_len - 1)"
                 )
             budget -= got
+            if prompt:
+                prompt_left -= got
             if e.is_new:
                 self._admit(req)
             held = self.manager.get_block_ids(req.request_id)
@@ -456,5 +466,8 @@ class _Attempt:
             req = sim.new_request(self.prompt_len)
             # The scheduler's order: running requests first, then the prompt that joins them (the
             # runner's rows follow it, so warmup captures and audits the layout serving emits).
-            entries = [_Entry(r, 1 + k, k, False) for r in batch] + [_Entry(req, self.prompt_len, 0, True)]
+            # Beside decodes a step computes at most the prompt allowance: the prompt's first chunk.
+            cap = sim.builder.max_prefill_tokens_with_decodes
+            joined = self.prompt_len if cap is None else min(self.prompt_len, cap)
+            entries = [_Entry(r, 1 + k, k, False) for r in batch] + [_Entry(req, joined, 0, True)]
             sim.run(name, kind, reason, entries)

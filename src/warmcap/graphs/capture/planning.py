@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from warmcap.config import check_graph_shapes
 from warmcap.contracts.backends import MAX_UNIFORM_QUERY_LEN
 from warmcap.core.kv_spec import MambaSpec
 from warmcap.errors import ConfigError
@@ -220,26 +221,6 @@ def plan_capture(
     return CapturePlan(backend, target, draft)
 
 
-#: which target graphs a plan makes (:func:`plan_target`): ``all`` (uniform decode for every
-#: request count, mixed at the capture sizes), ``sizes`` (both at the capture sizes only, a decode
-#: step padded to the next, as vLLM pads), ``decode`` (uniform decode at the capture sizes, mixed
-#: steps eager)
-GRAPH_SHAPES: tuple[str, ...] = ("all", "sizes", "decode")
-GRAPH_SHAPES_HELP = (
-    "all (a decode graph per request count, mixed graphs at the capture sizes), sizes (decode and "
-    "mixed graphs at the capture sizes only, a decode step padded to the next) or decode (decode "
-    "graphs at the capture sizes, mixed steps eager)"
-)
-
-
-def check_graph_shapes(mode: str) -> None:
-    """ConfigError naming ``mode`` unless it is one of :data:`GRAPH_SHAPES`."""
-    if mode not in GRAPH_SHAPES:
-        raise ConfigError(
-            f"graph_shapes {mode!r} is not one of {', '.join(GRAPH_SHAPES)}: {GRAPH_SHAPES_HELP}"
-        )
-
-
 def _records_mamba(backend: str, groups: Iterable[KVCacheGroup]) -> bool:
     """Whether ``backend`` records graphs over passes through Mamba layers (some of ``groups``)."""
     return backend == "cuda" and any(isinstance(g.spec, MambaSpec) for g in groups)
@@ -282,7 +263,7 @@ def plan_target(
     """Uniform-decode FULL graphs for ``1..max_num_seqs`` requests of ``1 + k`` tokens, then mixed
     graphs on ``capture_sizes`` (default ladder), all bounded by the runner's token buffers.
     ``backend`` is the capture backend: ``cuda`` leaves out what Mamba layers cannot record.
-    ``graph_shapes`` (:data:`GRAPH_SHAPES`): ``all`` gives every request count its decode graph
+    ``graph_shapes`` (``config.GRAPH_SHAPES``): ``all`` gives every request count its decode graph
     (no decode step padded); ``sizes`` only those whose token count is a capture size, a decode
     step padded to the next (vLLM's way; fewer graphs to verify); ``decode`` those and no mixed
     graphs."""
