@@ -190,6 +190,12 @@ def main() -> None:
     ap.add_argument(
         "--warmcap-args", default="", help="extra `warmup serve` flags, one string (default: none)"
     )
+    ap.add_argument(
+        "--variant-args",
+        default=None,
+        help="a second `warmup serve` peer ('warmcap-b') with these extra flags, measured in the same "
+        "rounds (default: none)",
+    )
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, one string (default: none)")
     ap.add_argument(
         "--vllm-env",
@@ -234,6 +240,16 @@ def main() -> None:
          "--port", str(wport), "--dtype", args.dtype, *args.warmcap_args.split()],
         wport, env, work / "warmcap.log",
     )  # fmt: skip
+    variant = None
+    if args.variant_args is not None:
+        bport = free_port()
+        variant = Server(
+            "warmcap-b",
+            [sys.executable, "-c", "from warmcap.cli import main; main()", "serve", "--model", args.model,
+             "--port", str(bport), "--dtype", args.dtype, *args.warmcap_args.split(),
+             *args.variant_args.split()],
+            bport, env, work / "warmcap-b.log",
+        )  # fmt: skip
     vllm_bin = str(Path(args.vllm_python).with_name("vllm"))
     vllm_env = dict(env)
     for item in filter(None, args.vllm_env.split(",")):
@@ -262,7 +278,9 @@ def main() -> None:
         )
     if tokenizer:
         print(f"the client's transformers is < 5: --tokenizer {tokenizer} for both servers")
-    servers = [warmcap, vllm]
+    servers = [warmcap, vllm] if variant is None else [warmcap, variant, vllm]
+    if variant is not None:
+        print(f"warmcap-b: warmup serve with {args.variant_args!r} added")
     results: list[dict] = []
 
     def started(server: Server) -> None:
@@ -351,11 +369,13 @@ def main() -> None:
 
         rate, p99 = median_of("output_tok_s"), median_of("ttft_p99_ms")
         failed = sum(r["failed"] for r in results if r["concurrency"] == c)
-        print(
-            f"  c={c:<3} warmcap {rate['warmcap']:7.1f} vs vLLM {rate['vllm']:7.1f} out tok/s "
-            f"({rate['warmcap'] / rate['vllm']:.2f}x); p99 TTFT {p99['warmcap']:.0f} vs {p99['vllm']:.0f} ms; "
-            f"{failed} failed"
-        )
+        itl = median_of("itl_p99_ms")
+        for name in [s.name for s in servers if s.name != "vllm"]:
+            print(
+                f"  c={c:<3} {name} {rate[name]:7.1f} vs vLLM {rate['vllm']:7.1f} out tok/s "
+                f"({rate[name] / rate['vllm']:.2f}x); p99 TTFT {p99[name]:.0f} vs {p99['vllm']:.0f} ms; "
+                f"ITL p99 {itl[name]:.0f} vs {itl['vllm']:.0f} ms; {failed} failed"
+            )
     for s in servers:
         secs, rss = [t for t, _ in s.starts], [r / 2**30 for _, r in s.starts]
         print(
