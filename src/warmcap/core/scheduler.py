@@ -10,9 +10,10 @@ Each step: running requests first (decodes, verify steps and unfinished prompts,
 then waiting requests in arrival order while the token budget, the sequence limit and the pool
 allow. While any running request decodes, the step's prompt tokens (chunks of running prompts and
 waiting requests alike) stay within ``SchedulerConfig.max_prefill_tokens_with_decodes``, so the
-decodes never wait a whole budget's prefill for their next token. Each is admitted, allocated and recorded by ``core/step_builder.py``, which the warmup
-planner builds its steps with too; the scheduler picks the requests and preempts. ``num_computed_tokens`` advances when a step is scheduled and rolls back by the rejected
-draft count when its results come in.
+decodes never wait a whole budget's prefill for their next token. Each is admitted, allocated and
+recorded by ``core/step_builder.py``, which the warmup planner builds its steps with too; the
+scheduler picks the requests and preempts. ``num_computed_tokens`` advances when a step is
+scheduled and rolls back by the rejected draft count when its results come in.
 
 With async scheduling (``SchedulerConfig.async_scheduling``) the next step is scheduled before
 the results of the one in flight are in. A request that samples in a step holds
