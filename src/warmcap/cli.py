@@ -251,25 +251,18 @@ def plan(
 def serving_engine_values(engine: dict[str, Any]) -> dict[str, Any]:
     """``engine`` with the batch limits left unset filled as ``warmup serve`` fills them: vLLM's
     OpenAI-server defaults for the device (``engine_args.serving_batch_defaults``), and never more
-    sequences than tokens a step; on CPU with chunked prefill, the prompt allowance beside decodes
-    (``engine_args.SERVING_PREFILL_WITH_DECODES_CPU``, per rank)."""
-    from warmcap.assembly import resolve_device
-    from warmcap.engine_args import SERVING_PREFILL_WITH_DECODES_CPU, serving_batch_defaults
+    sequences than tokens a step; with chunked prefill, the device's prompt allowance beside
+    decodes (none on CUDA)."""
+    from warmcap.engine_args import serving_batch_defaults
 
-    seqs, tokens = serving_batch_defaults(engine["device"], engine["tensor_parallel_size"])
+    seqs, tokens, allowance = serving_batch_defaults(engine["device"], engine["tensor_parallel_size"])
     out = dict(engine)
     if out.get("max_num_batched_tokens") is None:
         out["max_num_batched_tokens"] = tokens
     if out.get("max_num_seqs") is None:
         out["max_num_seqs"] = min(seqs, out["max_num_batched_tokens"])
-    if (
-        out.get("max_prefill_tokens_with_decodes") is None
-        and out.get("enable_chunked_prefill", True)
-        and resolve_device(engine["device"]).type != "cuda"
-    ):
-        out["max_prefill_tokens_with_decodes"] = (
-            SERVING_PREFILL_WITH_DECODES_CPU * engine["tensor_parallel_size"]
-        )
+    if out.get("max_prefill_tokens_with_decodes") is None and out.get("enable_chunked_prefill", True):
+        out["max_prefill_tokens_with_decodes"] = allowance
     return out
 
 

@@ -393,20 +393,25 @@ _BIG_GPU_BYTES = 70 << 30
 SERVING_PREFILL_WITH_DECODES_CPU = 512
 
 
-def serving_batch_defaults(device: str = "auto", tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """``(max_num_seqs, max_num_batched_tokens)`` a server takes when not told, as vLLM's OpenAI
-    server picks them for the device (``warmup serve``; ``LLM`` keeps the config's own)."""
+def serving_batch_defaults(
+    device: str = "auto", tensor_parallel_size: int = 1
+) -> tuple[int, int, int | None]:
+    """``(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_with_decodes)`` a server takes
+    when not told: the first two as vLLM's OpenAI server picks them for the device, the prompt
+    allowance :data:`SERVING_PREFILL_WITH_DECODES_CPU` on CPU and None on CUDA (``warmup serve``;
+    ``LLM`` keeps the config's own)."""
     from warmcap.assembly import resolve_device
 
     resolved = resolve_device(device)
     if resolved.type != "cuda":
         seqs, tokens = SERVING_BATCH_CPU
-        return seqs * tensor_parallel_size, tokens * tensor_parallel_size
+        tp = tensor_parallel_size
+        return seqs * tp, tokens * tp, SERVING_PREFILL_WITH_DECODES_CPU * tp
     import torch
 
     props = torch.cuda.get_device_properties(resolved)
     big = props.total_memory >= _BIG_GPU_BYTES and "a100" not in props.name.lower()
-    return SERVING_BATCH_BIG_GPU if big else SERVING_BATCH_GPU
+    return (*(SERVING_BATCH_BIG_GPU if big else SERVING_BATCH_GPU), None)
 
 
 def auto_dtype(model: str, device: str = "auto") -> str:
