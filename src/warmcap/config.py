@@ -576,10 +576,10 @@ GRAPH_SHAPES_HELP = (
 )
 
 
-def check_graph_shapes(mode: str | None) -> None:
-    """ConfigError naming ``mode`` unless it is one of :data:`GRAPH_SHAPES` (None: the default)."""
+def check_graph_shapes(mode: str) -> None:
+    """ConfigError naming ``mode`` unless it is one of :data:`GRAPH_SHAPES`."""
     _require(
-        mode is None or mode in GRAPH_SHAPES,
+        mode in GRAPH_SHAPES,
         f"graph_shapes {mode!r} is not one of {', '.join(GRAPH_SHAPES)}: {GRAPH_SHAPES_HELP}",
     )
 
@@ -625,7 +625,8 @@ class StartupOptions:
                 f"capture_sizes {self.capture_sizes!r} must be token counts >= 1, e.g. (1, 2, 4, 8)",
             )
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
-        check_graph_shapes(self.graph_shapes)
+        if self.graph_shapes is not None:  # None: the default (``all``, or serve's on CPU)
+            check_graph_shapes(self.graph_shapes)
         for name in ("audit", "audit_serving", "startup_cache", "record_cpu_graphs"):
             _require(
                 isinstance(getattr(self, name), bool),

@@ -189,6 +189,7 @@ class Scheduler:
                 index += 1
                 continue
             limit = budget
+            # NOTE: ``not req.in_decode`` inline (this loop runs for every running request).
             prompt = capped and req.num_computed_tokens < req.num_tokens - 1
             if prompt:
                 if prompt_left <= 0:

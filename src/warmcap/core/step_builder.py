@@ -89,7 +89,7 @@ class StepBuilder:
         cap = self.max_prefill_tokens_with_decodes
         if cap is not None:
             for req in scheduled:
-                if req.num_computed_tokens >= req.num_tokens - 1:
+                if req.in_decode:
                     return cap
         return self.max_num_batched_tokens
 

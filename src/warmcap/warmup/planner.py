@@ -121,7 +121,7 @@ class _Simulator:
             req = e.request
             c = req.num_computed_tokens
             before = self.manager.num_held_blocks(req.request_id)
-            prompt = e.is_new or c < req.num_tokens - 1
+            prompt = e.is_new or not req.in_decode
             limit = min(budget, prompt_left) if prompt else budget
             if e.is_new:
                 if not builder.has_seat(len(self.running), limit):
